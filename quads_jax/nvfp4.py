@@ -1,0 +1,425 @@
+"""NVFP4: the 4-bit floating-point format with two-level scaling.
+
+Elements are E2M1 (values 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives), one FP8 E4M3
+scale per block of 16 consecutive elements along the quantized axis, and one FP32
+"global" scale per tensor (or per expert / per row) equal to ``amax / (6 * 448)``.
+
+Semantics (NVIDIA's two-level recipe, bit for bit)::
+
+    global_scale = amax(|x|) / (6 * 448)                      # float32, unless given
+    s            = e4m3_rne(clip((amax16 / 6) / global_scale, 2**-6, 448))
+    code         = e2m1_rne(clip(x * ((1 / global_scale) / s), -6, 6))
+    dequantized  = e2m1(code) * s * global_scale
+
+All rounding here is done arithmetically in float32 (``round_to_float_grid``) instead of
+by casting through ``float4_e2m1fn`` / ``float8_e4m3fn``: inside ``jax.jit`` on GPU, XLA
+folds a round-trip cast away (excess precision), so cast-based fake quantization would
+silently not quantize. The casts that remain only ever see values already on the grid.
+
+Storage: ``codes`` is uint8 with two codes a byte along the quantized axis, the lower
+index in the low nibble (the ModelOpt / serving-engine layout); bit 3 of a code is the
+sign. ``scales`` is float8_e4m3fn with the quantized axis divided by 16.
+
+Non-finite input: a block holding a NaN or +-inf gets a NaN scale (E4M3 0x7F) and
+dequantizes to NaN; with the dynamic global scale the global scale is then non-finite too,
+so the whole tensor dequantizes to non-finite values. Quantization never turns a
+non-finite input into finite output silently.
+
+A zero tensor (amax 0) gets global scale 1.0 and all-zero codes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+BLOCK = 16
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+E4M3_MIN_NORMAL = 2.0**-6
+ROUNDINGS = ("rne", "stochastic")
+BLOCK_SHAPES = ((1, 16), (16, 16))
+
+# Decode table, index = 4-bit code (bit 3 = sign).
+E2M1_VALUES = np.array(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+    dtype=np.float32,
+)
+
+
+# ----------------------------------------------------------------------------- grids
+
+
+def true_div(a, b):
+    """``a / b`` rounded as one IEEE division per element.
+
+    XLA's simplifier rewrites a division by a broadcast scalar (a constant or not) into a
+    multiplication by its reciprocal, one ulp off for about a fifth of inputs, so jit and a
+    numpy / CUDA reference would disagree. A full-shape divisor behind an optimization
+    barrier keeps the division as written.
+    """
+    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+    shape = jnp.broadcast_shapes(a.shape, b.shape)
+    return jnp.broadcast_to(a, shape) / jax.lax.optimization_barrier(jnp.broadcast_to(b, shape))
+
+
+def round_to_float_grid(a, *, mantissa_bits: int, min_exponent: int, key=None):
+    """Round non-negative float32 ``a`` onto a minifloat grid, in float32 arithmetic.
+
+    The grid has ``mantissa_bits`` explicit mantissa bits and smallest normal exponent
+    ``min_exponent`` (subnormals below it). Round-to-nearest-even when ``key`` is None,
+    else stochastic rounding (rounds up with probability equal to the fractional
+    distance, so the expectation equals ``a``). Callers clamp to the grid's max first.
+    """
+    a = jnp.asarray(a, jnp.float32)
+    _, ex = jnp.frexp(a)  # a = m * 2**ex, m in [0.5, 1)
+    e = jnp.maximum(ex - 1, min_exponent)
+    step = jnp.ldexp(jnp.ones_like(a), e - mantissa_bits)
+    q = a / step  # exact: step is a power of two
+    if key is None:
+        q = jnp.round(q)  # round half to even
+    else:
+        lo = jnp.floor(q)
+        u = jax.random.uniform(key, a.shape, jnp.float32)
+        q = lo + (u < (q - lo)).astype(jnp.float32)
+    return q * step
+
+
+def round_e2m1(a, key=None):
+    """|values| in [0, 6] -> nearest E2M1 magnitude (ties to even)."""
+    return round_to_float_grid(a, mantissa_bits=1, min_exponent=0, key=key)
+
+
+def round_e4m3(a):
+    """|values| in [0, 448] -> nearest E4M3 magnitude (ties to even)."""
+    return round_to_float_grid(a, mantissa_bits=3, min_exponent=-6)
+
+
+def encode_e2m1(v):
+    """Values already on the E2M1 grid (float32, in [-6, 6]) -> 4-bit codes (uint8).
+
+    The sign bit is taken from ``v < 0`` or a negative zero, matching a hardware cast.
+    """
+    v = jnp.asarray(v, jnp.float32)
+    a = jnp.abs(v)
+    mag = jnp.where(a < 2.0, 2.0 * a, jnp.where(a < 4.0, a + 2.0, 0.5 * a + 4.0))
+    sign = jnp.signbit(v).astype(jnp.uint8) << 3
+    return mag.astype(jnp.uint8) | sign
+
+
+def decode_e2m1(codes, dtype=jnp.float32):
+    """4-bit codes (any integer dtype, values 0..15) -> E2M1 values."""
+    return jnp.asarray(E2M1_VALUES, dtype)[jnp.asarray(codes, jnp.int32) & 0xF]
+
+
+def pack_codes(codes, axis: int = -1):
+    """Pack 4-bit codes two a byte along ``axis``: element 2i in the low nibble."""
+    codes = jnp.moveaxis(jnp.asarray(codes, jnp.uint8), axis, -1)
+    packed = (codes[..., 0::2] & 0xF) | ((codes[..., 1::2] & 0xF) << 4)
+    return jnp.moveaxis(packed, -1, axis)
+
+
+def unpack_codes(packed, axis: int = -1):
+    """Inverse of ``pack_codes``."""
+    packed = jnp.moveaxis(jnp.asarray(packed, jnp.uint8), axis, -1)
+    codes = jnp.stack([packed & 0xF, packed >> 4], axis=-1)
+    codes = codes.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+    return jnp.moveaxis(codes, -1, axis)
+
+
+# ----------------------------------------------------------------------------- tensor
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class NVFP4Tensor:
+    """An NVFP4-quantized array. A pytree: arrays are leaves, layout is static.
+
+    codes:        uint8, ``shape`` with ``shape[axis] // 2`` along ``axis`` (packed).
+    scales:       float8_e4m3fn, ``shape`` with ``shape[axis] // 16`` along ``axis``.
+    global_scale: float32, a scalar or an array broadcastable to ``shape`` (keepdims,
+                  e.g. [E, 1, 1] for per-expert scales of an [E, N, K] weight).
+    """
+
+    codes: jax.Array
+    scales: jax.Array
+    global_scale: jax.Array
+    shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+    axis: int = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.codes.size + self.scales.size + 4 * np.size(self.global_scale))
+
+    def dequantize(self, dtype=jnp.float32):
+        return dequantize(self, dtype)
+
+
+def _normalize_axis(axis: int, ndim: int, name: str = "axis") -> int:
+    if not isinstance(axis, (int, np.integer)) or not -ndim <= axis < ndim:
+        raise ValueError(f"{name}={axis!r} is out of range for an array of rank {ndim}")
+    return int(axis) % ndim
+
+
+def _check_input(x, axis, block_shape):
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"x: expected a floating-point array, got dtype {x.dtype}")
+    if x.ndim == 0:
+        raise ValueError("x: expected an array of rank >= 1, got a scalar")
+    axis = _normalize_axis(axis, x.ndim)
+    if x.shape[axis] % BLOCK:
+        raise ValueError(
+            f"x: the quantized axis {axis} has size {x.shape[axis]}, "
+            f"expected a multiple of {BLOCK} (x.shape={tuple(x.shape)})"
+        )
+    block_shape = tuple(block_shape)
+    if block_shape not in BLOCK_SHAPES:
+        raise ValueError(f"block_shape={block_shape!r}: expected one of {BLOCK_SHAPES}")
+    if block_shape == (16, 16):
+        if x.ndim < 2 or axis < x.ndim - 2:
+            raise ValueError(
+                f"block_shape=(16, 16) needs the quantized axis among the last two of a "
+                f"rank >= 2 array, got axis={axis} for shape {tuple(x.shape)}"
+            )
+        other = _other_block_axis(axis, x.ndim)
+        if x.shape[other] % BLOCK:
+            raise ValueError(
+                f"x: block_shape=(16, 16) needs axis {other} (size {x.shape[other]}) to be "
+                f"a multiple of {BLOCK}"
+            )
+    return x, axis, block_shape
+
+
+def _other_block_axis(axis: int, ndim: int) -> int:
+    return ndim - 2 if axis == ndim - 1 else ndim - 1
+
+
+def global_scale_for(x, *, keep_axes: Sequence[int] = (), scale_max: float = E4M3_MAX):
+    """The dynamic global scale ``amax(|x|) / (6 * scale_max)`` in float32.
+
+    ``keep_axes`` keeps separate scales along those axes (keepdims shape), e.g. ``(0,)``
+    for per-expert scales of [E, N, K] weights, or every non-quantized axis for per-token
+    scales of activations. A zero amax gives 1.0; a non-finite amax stays non-finite.
+    """
+    x = jnp.asarray(x)
+    keep = {_normalize_axis(a, x.ndim, "keep_axes") for a in keep_axes}
+    red = tuple(i for i in range(x.ndim) if i not in keep)
+    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=red, keepdims=bool(keep))
+    gs = true_div(amax, E2M1_MAX * scale_max)
+    return jnp.where(gs == 0, jnp.float32(1.0), gs)
+
+
+def _block_amax_1d(xl):
+    """|max| per 16-block of the last axis: [..., K] -> [..., K/16]."""
+    return jnp.abs(xl).reshape(*xl.shape[:-1], xl.shape[-1] // BLOCK, BLOCK).max(-1)
+
+
+def _scale_and_round(xb, amax16, gs, block_max, key):
+    """One candidate: block max mapped to ``block_max`` (6, or 4 for 4-over-6).
+    xb: [..., nb, 16] float32; amax16: [..., nb]; gs broadcastable to [..., nb].
+    Returns (rounded E2M1 values [..., nb, 16], scale [..., nb] on the E4M3 grid)."""
+    s = jnp.clip(true_div(true_div(amax16, block_max), gs), E4M3_MIN_NORMAL, E4M3_MAX)
+    s = round_e4m3(s)
+    s = jnp.where(jnp.isfinite(amax16) & jnp.isfinite(gs), s, jnp.nan)
+    inv = true_div(true_div(1.0, gs), s)
+    v = jnp.clip(xb * inv[..., None], -E2M1_MAX, E2M1_MAX)
+    v = jnp.nan_to_num(v, nan=0.0)
+    q = jnp.copysign(round_e2m1(jnp.abs(v), key), v)
+    return q, s
+
+
+def quantize(
+    x,
+    *,
+    global_scale=None,
+    axis: int = -1,
+    rounding: str = "rne",
+    key=None,
+    block_shape: Sequence[int] = (1, 16),
+    keep_axes: Sequence[int] = (),
+    four_over_six: bool = False,
+) -> NVFP4Tensor:
+    """Quantize ``x`` to NVFP4 along ``axis``.
+
+    global_scale:  float32 scalar or keepdims array; default ``global_scale_for(x)``.
+    rounding:      "rne" (round to nearest even) or "stochastic" (needs ``key``); only the
+                   elements are rounded stochastically, scales always RNE.
+    block_shape:   (1, 16), or (16, 16) for 2D weight blocks: 16 rows of the other of the
+                   last two axes share one scale, so the dequantized tensor is the same
+                   whichever of the two axes is quantized (and reduced in a matmul).
+    keep_axes:     axes with separate dynamic global scales (per expert, per token).
+    four_over_six: per block, map the block max to 6 or to 4, whichever gives the lower
+                   squared error; the dynamic global scale then uses 256 instead of 448.
+    """
+    x, axis, block_shape = _check_input(x, axis, block_shape)
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding={rounding!r}: expected one of {ROUNDINGS}")
+    if rounding == "stochastic":
+        if key is None or not _is_prng_key(key):
+            raise ValueError(
+                f"key={key!r}: rounding='stochastic' needs a jax.random key "
+                "(jax.random.key(seed) or jax.random.PRNGKey(seed))"
+            )
+    elif key is not None:
+        raise ValueError("key: only used with rounding='stochastic'; got rounding='rne'")
+    scale_max = 256.0 if four_over_six else E4M3_MAX
+    xf = x.astype(jnp.float32)
+    if global_scale is None:
+        gs = global_scale_for(xf, keep_axes=keep_axes, scale_max=scale_max)
+    else:
+        gs = jnp.asarray(global_scale, jnp.float32)
+        try:
+            jnp.broadcast_shapes(gs.shape, x.shape)
+        except ValueError:
+            raise ValueError(
+                f"global_scale: shape {gs.shape} does not broadcast to x.shape {tuple(x.shape)} "
+                "(use keepdims shapes, e.g. [E, 1, 1] for per-expert scales)"
+            ) from None
+    if gs.ndim:
+        if gs.ndim < x.ndim:
+            gs = gs.reshape((1,) * (x.ndim - gs.ndim) + gs.shape)
+        if gs.shape[axis] != 1:
+            raise ValueError(
+                f"global_scale: shape {gs.shape} varies along the quantized axis {axis}; "
+                "expected size 1 there (one global scale per row / expert / tensor)"
+            )
+    xl = jnp.moveaxis(xf, axis, -1)
+    lead, k = xl.shape[:-1], xl.shape[-1]
+    amax16 = _block_amax_2d(xf, axis) if block_shape == (16, 16) else _block_amax_1d(xl)
+    gsb = jnp.moveaxis(gs, axis, -1) if gs.ndim else gs
+    xb = xl.reshape(*lead, k // BLOCK, BLOCK)
+    q, s = _scale_and_round(xb, amax16, gsb, E2M1_MAX, key)
+    if four_over_six:
+        k4 = None if key is None else jax.random.fold_in(key, 4)
+        q4, s4 = _scale_and_round(xb, amax16, gsb, 4.0, k4)
+        g = gsb[..., None] if gs.ndim else gs
+        err6 = jnp.sum(jnp.square(q * s[..., None] * g - xb), -1)
+        err4 = jnp.sum(jnp.square(q4 * s4[..., None] * g - xb), -1)
+        use4 = err4 < err6
+        q = jnp.where(use4[..., None], q4, q)
+        s = jnp.where(use4, s4, s)
+    codes = encode_e2m1(q.reshape(*lead, k))
+    codes = jnp.moveaxis(pack_codes(codes, -1), -1, axis)
+    scales = jnp.moveaxis(s, -1, axis).astype(jnp.float8_e4m3fn)
+    return NVFP4Tensor(codes=codes, scales=scales, global_scale=gs, shape=tuple(x.shape), axis=axis)
+
+
+def _block_amax_2d(xf, axis):
+    """Block amax for 16x16 blocks over the last two axes, laid out per 1x16 block of
+    ``axis`` moved last: shape [..., other, K/16]."""
+    ndim = xf.ndim
+    m = jnp.abs(xf)
+    r, c = m.shape[-2:]
+    m = m.reshape(*m.shape[:-2], r // BLOCK, BLOCK, c // BLOCK, BLOCK).max(axis=(-3, -1))
+    m = jnp.repeat(m, BLOCK, axis=-2) if axis == ndim - 1 else jnp.repeat(m, BLOCK, axis=-1)
+    # m is [..., R, C/16] when quantizing the last axis, [..., R/16, C] for axis -2.
+    return m if axis == ndim - 1 else jnp.swapaxes(m, -1, -2)
+
+
+def _is_prng_key(key) -> bool:
+    try:
+        k = jnp.asarray(key) if not hasattr(key, "dtype") else key
+        if jnp.issubdtype(k.dtype, jax.dtypes.prng_key):
+            return k.ndim == 0
+        return k.dtype == jnp.uint32 and k.shape == (2,)
+    except Exception:
+        return False
+
+
+def dequantize(t: NVFP4Tensor, dtype=jnp.float32):
+    """``e2m1(code) * float32(scale) * global_scale``, cast to ``dtype`` at the end."""
+    if not isinstance(t, NVFP4Tensor):
+        raise ValueError(f"t: expected an NVFP4Tensor, got {type(t).__name__}")
+    codes = jnp.moveaxis(unpack_codes(t.codes, t.axis), t.axis, -1)
+    vals = decode_e2m1(codes)
+    s = jnp.moveaxis(t.scales, t.axis, -1).astype(jnp.float32)
+    lead, k = vals.shape[:-1], vals.shape[-1]
+    v = vals.reshape(*lead, k // BLOCK, BLOCK) * s[..., None]
+    v = jnp.moveaxis(v.reshape(*lead, k), -1, t.axis)
+    return (v * t.global_scale).astype(dtype)
+
+
+# ----------------------------------------------------------------------------- fake quant
+
+
+def fake_quant(x, **kwargs):
+    """``dequantize(quantize(x, **kwargs))`` in x's dtype, with a straight-through
+    gradient: the identity for elements inside the representable range
+    (|x| <= 6 * 448 * global_scale; everything, with the dynamic global scale) and zero
+    for elements that saturate."""
+    return _fake_quant_ste(x, tuple(sorted(kwargs.items(), key=lambda kv: kv[0])))
+
+
+def _fq_forward(x, kw):
+    kw = dict(kw)
+    t = quantize(x, **kw)
+    y = dequantize(t, jnp.float32)
+    limit = E2M1_MAX * (256.0 if kw.get("four_over_six") else E4M3_MAX) * t.global_scale
+    inside = jnp.abs(x.astype(jnp.float32)) <= limit
+    return y.astype(x.dtype), inside
+
+
+@jax.custom_vjp
+def _ste_core(x, y, inside):
+    del x, inside
+    return y
+
+
+def _ste_fwd(x, y, inside):
+    return y, inside
+
+
+def _ste_bwd(inside, g):
+    return (jnp.where(inside, g, jnp.zeros_like(g)), None, None)
+
+
+_ste_core.defvjp(_ste_fwd, _ste_bwd)
+
+
+def _fake_quant_ste(x, kw):
+    y, inside = _fq_forward(jax.lax.stop_gradient(x), kw)
+    return _ste_core(x, y, inside)
+
+
+# ----------------------------------------------------------------------------- ModelOpt layout
+
+
+def to_modelopt(t: NVFP4Tensor) -> dict:
+    """NVFP4Tensor of a weight [..., N, K] quantized along K -> ModelOpt checkpoint arrays:
+    ``weight`` uint8 [..., N, K/2], ``weight_scale`` E4M3 [..., N, K/16],
+    ``weight_scale_2`` float32 (scalar, or [...] per expert)."""
+    if t.axis != t.ndim - 1:
+        raise ValueError(f"t.axis={t.axis}: the ModelOpt layout quantizes the last axis")
+    gs = jnp.asarray(t.global_scale, jnp.float32)
+    if gs.ndim:
+        gs = gs.reshape(gs.shape[: t.ndim - 2]) if gs.size == np.prod(gs.shape[: t.ndim - 2]) else gs
+    return {"weight": t.codes, "weight_scale": t.scales, "weight_scale_2": gs}
+
+
+def from_modelopt(weight, weight_scale, weight_scale_2) -> NVFP4Tensor:
+    """ModelOpt arrays -> NVFP4Tensor (inverse of ``to_modelopt``)."""
+    weight = jnp.asarray(weight)
+    weight_scale = jnp.asarray(weight_scale)
+    if weight.dtype != jnp.uint8:
+        raise ValueError(f"weight: expected uint8 packed codes, got {weight.dtype}")
+    if weight_scale.dtype != jnp.float8_e4m3fn:
+        raise ValueError(f"weight_scale: expected float8_e4m3fn, got {weight_scale.dtype}")
+    shape = (*weight.shape[:-1], weight.shape[-1] * 2)
+    if weight_scale.shape != (*shape[:-1], shape[-1] // BLOCK):
+        raise ValueError(
+            f"weight_scale: expected shape {(*shape[:-1], shape[-1] // BLOCK)} for weight "
+            f"{tuple(weight.shape)}, got {tuple(weight_scale.shape)}"
+        )
+    gs = jnp.asarray(weight_scale_2, jnp.float32)
+    if gs.ndim:
+        gs = gs.reshape(*gs.shape, *([1] * (len(shape) - gs.ndim)))
+    return NVFP4Tensor(codes=weight, scales=weight_scale, global_scale=gs, shape=shape, axis=len(shape) - 1)
