@@ -31,7 +31,7 @@ A zero tensor (amax 0) gets global scale 1.0 and all-zero codes.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -67,36 +67,69 @@ def true_div(a, b):
     return jnp.broadcast_to(a, shape) / jax.lax.optimization_barrier(jnp.broadcast_to(b, shape))
 
 
-def round_to_float_grid(a, *, mantissa_bits: int, min_exponent: int, key=None):
+_RNE_MAGIC = 2.0**23  # (q + 2**23) - 2**23 rounds 0 <= q < 2**22 to an integer, ties to even
+
+
+@dataclasses.dataclass(frozen=True)
+class Arith:
+    """The two float32 operations whose rounding XLA and Triton would otherwise change.
+
+    div:    an IEEE (round-to-nearest) division of same-shape or broadcastable arrays.
+    opaque: hides a value from the optimizer so ``(q + C) - C`` is not folded to ``q``.
+    XLA gets ``true_div`` and an optimization barrier; Pallas-Triton kernels pass PTX
+    ``div.rn.f32`` (Triton's ``/`` is the approximate ``div.full.f32``) and the identity.
+    """
+
+    div: Callable
+    opaque: Callable
+
+
+XLA_ARITH = Arith(div=lambda a, b: true_div(a, b), opaque=jax.lax.optimization_barrier)
+
+
+def pow2(e):
+    """2.0**e for int32 ``e`` in [-126, 127], exactly, built from the exponent bits."""
+    return jax.lax.bitcast_convert_type((jnp.asarray(e, jnp.int32) + 127) << 23, jnp.float32)
+
+
+def float_exponent(a):
+    """floor(log2(a)) for positive normal float32 ``a`` from its bits (-127 for 0 and
+    subnormals, which callers clamp)."""
+    bits = jax.lax.bitcast_convert_type(jnp.asarray(a, jnp.float32), jnp.int32)
+    return ((bits >> 23) & 0xFF) - 127
+
+
+def round_to_float_grid(a, *, mantissa_bits: int, min_exponent: int, key=None, arith: Arith = XLA_ARITH):
     """Round non-negative float32 ``a`` onto a minifloat grid, in float32 arithmetic.
 
     The grid has ``mantissa_bits`` explicit mantissa bits and smallest normal exponent
     ``min_exponent`` (subnormals below it). Round-to-nearest-even when ``key`` is None,
     else stochastic rounding (rounds up with probability equal to the fractional
     distance, so the expectation equals ``a``). Callers clamp to the grid's max first.
+
+    Only bit operations, multiplies by powers of two and adds are used, so the same code
+    runs under XLA and inside Pallas-Triton kernels (which lower no ``round``/``frexp``).
     """
     a = jnp.asarray(a, jnp.float32)
-    _, ex = jnp.frexp(a)  # a = m * 2**ex, m in [0.5, 1)
-    e = jnp.maximum(ex - 1, min_exponent)
-    step = jnp.ldexp(jnp.ones_like(a), e - mantissa_bits)
-    q = a / step  # exact: step is a power of two
+    e = jnp.maximum(float_exponent(a), min_exponent) - mantissa_bits
+    q = a * pow2(-e)  # exact: scaling by a power of two; q < 2**(mantissa_bits + 2)
     if key is None:
-        q = jnp.round(q)  # round half to even
+        q = arith.opaque(q + _RNE_MAGIC) - _RNE_MAGIC
     else:
         lo = jnp.floor(q)
         u = jax.random.uniform(key, a.shape, jnp.float32)
         q = lo + (u < (q - lo)).astype(jnp.float32)
-    return q * step
+    return q * pow2(e)
 
 
-def round_e2m1(a, key=None):
+def round_e2m1(a, key=None, arith: Arith = XLA_ARITH):
     """|values| in [0, 6] -> nearest E2M1 magnitude (ties to even)."""
-    return round_to_float_grid(a, mantissa_bits=1, min_exponent=0, key=key)
+    return round_to_float_grid(a, mantissa_bits=1, min_exponent=0, key=key, arith=arith)
 
 
-def round_e4m3(a):
+def round_e4m3(a, arith: Arith = XLA_ARITH):
     """|values| in [0, 448] -> nearest E4M3 magnitude (ties to even)."""
-    return round_to_float_grid(a, mantissa_bits=3, min_exponent=-6)
+    return round_to_float_grid(a, mantissa_bits=3, min_exponent=-6, arith=arith)
 
 
 def encode_e2m1(v):
@@ -107,13 +140,29 @@ def encode_e2m1(v):
     v = jnp.asarray(v, jnp.float32)
     a = jnp.abs(v)
     mag = jnp.where(a < 2.0, 2.0 * a, jnp.where(a < 4.0, a + 2.0, 0.5 * a + 4.0))
-    sign = jnp.signbit(v).astype(jnp.uint8) << 3
-    return mag.astype(jnp.uint8) | sign
+    sign = (jax.lax.bitcast_convert_type(v, jnp.int32) >> 31) & 1  # also -0.0
+    return mag.astype(jnp.uint8) | (sign.astype(jnp.uint8) << 3)
 
 
 def decode_e2m1(codes, dtype=jnp.float32):
     """4-bit codes (any integer dtype, values 0..15) -> E2M1 values."""
     return jnp.asarray(E2M1_VALUES, dtype)[jnp.asarray(codes, jnp.int32) & 0xF]
+
+
+def decode_e2m1_arith(c):
+    """4-bit codes (int32) -> float32 E2M1 values without a table (for kernels)."""
+    m = (c & 7).astype(jnp.float32)
+    mag = jnp.where(m <= 4.0, 0.5 * m, m - 2.0 + (m == 7.0).astype(jnp.float32))
+    return jnp.where((c & 8) != 0, -mag, mag)
+
+
+def decode_e4m3_bits(b):
+    """E4M3 bit patterns (int32, 0..255) -> float32, exactly (for kernels)."""
+    e, m = (b >> 3) & 15, b & 7
+    normal = jax.lax.bitcast_convert_type(((e + 120) << 23) | (m << 20), jnp.float32)
+    v = jnp.where(e == 0, m.astype(jnp.float32) * (2.0**-9), normal)
+    v = jnp.where((b & 0x7F) == 0x7F, jnp.nan, v)
+    return jnp.where((b & 0x80) != 0, -v, v)
 
 
 def pack_codes(codes, axis: int = -1):
@@ -223,18 +272,24 @@ def _block_amax_1d(xl):
     return jnp.abs(xl).reshape(*xl.shape[:-1], xl.shape[-1] // BLOCK, BLOCK).max(-1)
 
 
-def _scale_and_round(xb, amax16, gs, block_max, key):
-    """One candidate: block max mapped to ``block_max`` (6, or 4 for 4-over-6).
-    xb: [..., nb, 16] float32; amax16: [..., nb]; gs broadcastable to [..., nb].
-    Returns (rounded E2M1 values [..., nb, 16], scale [..., nb] on the E4M3 grid)."""
-    s = jnp.clip(true_div(true_div(amax16, block_max), gs), E4M3_MIN_NORMAL, E4M3_MAX)
-    s = round_e4m3(s)
+def quantize_blocks(xb, amax16, gs, *, block_max=E2M1_MAX, key=None, arith: Arith = XLA_ARITH):
+    """The core of the recipe on blocks: map each block's max to ``block_max`` (6, or 4 for
+    4-over-6), round the block scale to E4M3 and the elements to E2M1.
+
+    xb: [..., nb, m] float32 (m = 16, or 8 for one nibble-half of a block in kernels);
+    amax16: [..., nb] the block amax; gs: global scale broadcastable to [..., nb].
+    Returns (E2M1-grid values [..., nb, m] float32, scales [..., nb] on the E4M3 grid).
+    Kernels call this on tiles with their own ``arith``, so both compute the same bits.
+    """
+    s = jnp.clip(arith.div(arith.div(amax16, block_max), gs), E4M3_MIN_NORMAL, E4M3_MAX)
+    s = round_e4m3(s, arith)
     s = jnp.where(jnp.isfinite(amax16) & jnp.isfinite(gs), s, jnp.nan)
-    inv = true_div(true_div(1.0, gs), s)
+    inv = arith.div(arith.div(1.0, gs), s)
     v = jnp.clip(xb * inv[..., None], -E2M1_MAX, E2M1_MAX)
-    v = jnp.nan_to_num(v, nan=0.0)
-    q = jnp.copysign(round_e2m1(jnp.abs(v), key), v)
-    return q, s
+    v = jnp.where(v == v, v, 0.0)  # NaN -> 0 (its block scale is already NaN)
+    a = jnp.abs(v)
+    q = round_e2m1(a, key, arith)
+    return jnp.where(v < 0, -q, jnp.where(v == 0, v, q)), s
 
 
 def quantize(
@@ -297,10 +352,10 @@ def quantize(
     amax16 = _block_amax_2d(xf, axis) if block_shape == (16, 16) else _block_amax_1d(xl)
     gsb = jnp.moveaxis(gs, axis, -1) if gs.ndim else gs
     xb = xl.reshape(*lead, k // BLOCK, BLOCK)
-    q, s = _scale_and_round(xb, amax16, gsb, E2M1_MAX, key)
+    q, s = quantize_blocks(xb, amax16, gsb, key=key)
     if four_over_six:
         k4 = None if key is None else jax.random.fold_in(key, 4)
-        q4, s4 = _scale_and_round(xb, amax16, gsb, 4.0, k4)
+        q4, s4 = quantize_blocks(xb, amax16, gsb, block_max=4.0, key=k4)
         g = gsb[..., None] if gs.ndim else gs
         err6 = jnp.sum(jnp.square(q * s[..., None] * g - xb), -1)
         err4 = jnp.sum(jnp.square(q4 * s4[..., None] * g - xb), -1)

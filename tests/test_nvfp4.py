@@ -284,7 +284,8 @@ def test_property_error_bound_and_exactness(x):
     np.testing.assert_array_equal(np.asarray(t.codes), np_reference(x)[0])
     gs = float(t.global_scale)
     amax16 = np.repeat(np.abs(x).reshape(x.shape[0], -1, 16).max(-1), 16, axis=-1)
-    # half an E2M1 step at the top of the grid (1 of 6) plus E4M3 scale rounding (1/16),
-    # or half the smallest step where the block scale clamps at 2**-6.
-    bound = np.maximum(amax16 / 6 * (1 + 1 / 16), 0.25 * 2**-6 * gs) * (1 + 1e-6)
+    # Half an E2M1 step is at most 1 (in units of the block scale): the block max maps to 6
+    # (E4M3 rounding of the scale adds at most 1/16), or, where the scale clamps at 2**-6,
+    # the error is at most 2**-6 * global_scale.
+    bound = np.maximum(amax16 / 6 * (1 + 1 / 16), 2**-6 * gs) * (1 + 1e-6)
     assert np.all(np.abs(dq - x) <= bound)
