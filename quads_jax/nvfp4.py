@@ -76,15 +76,23 @@ class Arith:
 
     div:    an IEEE (round-to-nearest) division of same-shape or broadcastable arrays.
     opaque: hides a value from the optimizer so ``(q + C) - C`` is not folded to ``q``.
-    XLA gets ``true_div`` and an optimization barrier; Pallas-Triton kernels pass PTX
-    ``div.rn.f32`` (Triton's ``/`` is the approximate ``div.full.f32``) and the identity.
+    mul:    a product rounded on its own, never contracted into an FMA with a later add
+            (the RAC residual ``x - dq`` must round the same way everywhere).
+    XLA gets ``true_div`` and optimization barriers; Pallas-Triton kernels pass PTX
+    ``div.rn.f32`` (Triton's ``/`` is the approximate ``div.full.f32``), the identity and
+    ``mul.rn.f32``.
     """
 
     div: Callable
     opaque: Callable
+    mul: Callable
 
 
-XLA_ARITH = Arith(div=lambda a, b: true_div(a, b), opaque=jax.lax.optimization_barrier)
+XLA_ARITH = Arith(
+    div=lambda a, b: true_div(a, b),
+    opaque=jax.lax.optimization_barrier,
+    mul=lambda a, b: jax.lax.optimization_barrier(a * b),
+)
 
 
 def pow2(e):
@@ -163,6 +171,15 @@ def decode_e4m3_bits(b):
     v = jnp.where(e == 0, m.astype(jnp.float32) * (2.0**-9), normal)
     v = jnp.where((b & 0x7F) == 0x7F, jnp.nan, v)
     return jnp.where((b & 0x80) != 0, -v, v)
+
+
+def encode_e4m3_bits(s):
+    """Positive float32 values already on the E4M3 grid (>= 2**-6, or NaN) -> E4M3 bit
+    patterns (int32), without a float8 cast (for kernels)."""
+    bits = jax.lax.bitcast_convert_type(jnp.asarray(s, jnp.float32), jnp.int32)
+    e = ((bits >> 23) & 0xFF) - 120
+    m = (bits >> 20) & 7
+    return jnp.where(s == s, (e << 3) | m, 0x7F)
 
 
 def pack_codes(codes, axis: int = -1):
@@ -401,6 +418,17 @@ def dequantize(t: NVFP4Tensor, dtype=jnp.float32):
     v = vals.reshape(*lead, k // BLOCK, BLOCK) * s[..., None]
     v = jnp.moveaxis(v.reshape(*lead, k), -1, t.axis)
     return (v * t.global_scale).astype(dtype)
+
+
+def block_values(t: NVFP4Tensor, dtype=jnp.bfloat16):
+    """``e2m1(code) * scale`` without the global scale. Exact in bfloat16 (a 2-bit by 4-bit
+    significand product, exponents in [-10, 12]): the operand a Hopper kernel feeds to
+    its BF16 MMA, the global scales going to the epilogue."""
+    codes = jnp.moveaxis(unpack_codes(t.codes, t.axis), t.axis, -1)
+    s = jnp.moveaxis(t.scales, t.axis, -1).astype(jnp.float32)
+    lead, k = codes.shape[:-1], codes.shape[-1]
+    v = decode_e2m1(codes).reshape(*lead, k // BLOCK, BLOCK) * s[..., None]
+    return jnp.moveaxis(v.reshape(*lead, k), -1, t.axis).astype(dtype)
 
 
 # ----------------------------------------------------------------------------- fake quant

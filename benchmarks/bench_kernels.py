@@ -1,0 +1,408 @@
+"""One command that checks and times every kernel variant on the GPU.
+
+    PYTHONPATH=. python benchmarks/bench_kernels.py --out DIR [--quick]
+
+Sections (each reports its own errors and never stops the others):
+  env        device, versions
+  ceilings   copy bandwidth and the BF16 matmul rate, measured in this run
+  numerics   NVFP4 codes eager vs jit vs a numpy/ml_dtypes reference ON THE GPU, the
+             float4 round-trip folding trap, Pallas quantizer codes vs the XLA reference,
+             Pallas GEMMs vs the XLA reference
+  decode     T in {1, 16, 64} x (K, N) shapes: BF16 dot, FP8 dot, NVFP4 Pallas (rho 0,
+             rho 0.5, w4a16), NVFP4 XLA reference; weight TB/s
+  prefill    T = 4096: TFLOP/s
+  grouped    MoE decode with 64 experts: ragged_dot BF16 vs grouped NVFP4
+  torch      cuBLAS BF16 and FP8 _scaled_mm through torch, event-timed (do_bench)
+  sass       tensor-core instructions in the Pallas GEMM's machine code
+Timing is device-side: CUPTI kernel time via jax.experimental.mosaic.gpu.profiler.measure
+(median of many iterations, fresh inputs per shape); host clocks add ~100 us per call here.
+Writes DIR/kernels.json and DIR/kernels.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import glob
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+
+import numpy as np
+
+RESULTS: dict = {"sections": {}, "errors": {}}
+
+
+def section(name):
+    def wrap(fn):
+        def run(*a, **k):
+            t0 = time.time()
+            try:
+                RESULTS["sections"][name] = fn(*a, **k)
+            except Exception as e:  # keep going: one broken kernel must not hide the others
+                RESULTS["errors"][name] = f"{type(e).__name__}: {e}"[:2000]
+                traceback.print_exc()
+            print(f"[{name}] {time.time() - t0:.1f}s", flush=True)
+
+        return run
+
+    return wrap
+
+
+def timer():
+    import jax
+    from jax.experimental.mosaic.gpu import profiler
+
+    def measure(f, *args, iterations=50):
+        jf = jax.jit(f)
+        jax.block_until_ready(jf(*args))  # compile + warm
+        _, times = profiler.measure(jf, iterations=iterations)(*args)
+        times = [t for t in times if t is not None]
+        return float(np.median(times)) * 1e3  # us
+
+    return measure
+
+
+@section("env")
+def env():
+    import jax
+
+    d = jax.devices()[0]
+    info = {"device": d.device_kind, "platform": d.platform, "jax": jax.__version__, "date": datetime.date.today().isoformat()}
+    try:
+        info["nvidia_smi"] = subprocess.run(["nvidia-smi", "--query-gpu=name,clocks.sm,clocks.mem,memory.total", "--format=csv,noheader"], capture_output=True, text=True).stdout.strip()
+    except Exception:
+        pass
+    return info
+
+
+@section("ceilings")
+def ceilings(measure):
+    import jax
+    import jax.numpy as jnp
+
+    x = jax.random.normal(jax.random.key(0), (1024, 1024 * 1024), jnp.float32).astype(jnp.bfloat16)  # 2 GiB
+    us = measure(lambda a: a * jnp.bfloat16(1.0009765625), x, iterations=20)
+    copy_tbs = 2 * x.size * 2 / us / 1e6
+    del x
+    a = jax.random.normal(jax.random.key(1), (8192, 8192), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(2), (8192, 8192), jnp.bfloat16)
+    us_mm = measure(lambda a, b: a @ b, a, b, iterations=20)
+    return {"copy_TBps": copy_tbs, "bf16_matmul_TFLOPs": 2 * 8192**3 / us_mm / 1e6}
+
+
+def heavy(rng, shape):
+    return (rng.standard_normal(shape) * np.exp(2 * rng.standard_normal(shape[:-1] + (1,)))).astype(np.float32)
+
+
+@section("numerics")
+def numerics():
+    import jax
+    import jax.numpy as jnp
+    import ml_dtypes
+
+    from quads_jax import nvfp4 as F
+    from pallas_kernels import nvfp4_grouped_matmul, nvfp4_matmul, quantize_activations_rac
+
+    out = {}
+    rng = np.random.default_rng(0)
+    x = heavy(rng, (4096, 4096))
+    # numpy + ml_dtypes reference (cast-based, eager, on the host)
+    gs = np.float32(np.abs(x).max() / np.float32(2688))
+    xb = x.reshape(4096, 256, 16)
+    s = np.clip((np.abs(xb).max(-1) / np.float32(6)) / gs, np.float32(2**-6), np.float32(448)).astype(ml_dtypes.float8_e4m3fn)
+    v = np.clip(xb * ((np.float32(1) / gs) / s.astype(np.float32))[..., None], -6, 6)
+    c = (v.astype(ml_dtypes.float4_e2m1fn).view(np.uint8) & 0xF).reshape(x.shape)
+    ref_codes = (c[:, 0::2] | (c[:, 1::2] << 4)).astype(np.uint8)
+    xd = jnp.asarray(x)
+    eager = F.quantize(xd)
+    jitted = jax.jit(F.quantize)(xd)
+    out["nvfp4_gpu_codes_eager_mismatch"] = int((np.asarray(eager.codes) != ref_codes).sum())
+    out["nvfp4_gpu_codes_jit_mismatch"] = int((np.asarray(jitted.codes) != ref_codes).sum())
+    out["nvfp4_gpu_scales_jit_mismatch"] = int((np.asarray(jitted.scales).view(np.uint8) != s.view(np.uint8)).sum())
+    out["nvfp4_gpu_global_scale_bits_equal"] = bool(np.float32(jitted.global_scale).view(np.uint32) == gs.view(np.uint32))
+    out["nvfp4_gpu_jit_vs_eager_codes_equal"] = bool(np.array_equal(np.asarray(eager.codes), np.asarray(jitted.codes)))
+    fq = jax.jit(F.fake_quant)(xd)
+    out["nvfp4_gpu_fake_quant_jit_changes_values"] = bool(np.mean(np.asarray(fq) != x) > 0.5)
+    trap = jax.jit(lambda a: a.astype(jnp.float4_e2m1fn).astype(jnp.float32))(jnp.float32(0.3))
+    out["float4_cast_roundtrip_under_jit_gives"] = float(trap)  # 0.3 means folded away; 0.5 means quantized
+
+    # Pallas quantizer vs XLA reference, exact
+    xa = jnp.asarray(heavy(rng, (64, 4096))).astype(jnp.bfloat16)
+    for rho, mode in [(0.0, "token"), (0.5, "token"), (0.125, "tensor"), (0.25, "channel"), (1.0, "token")]:
+        a = quantize_activations_rac(xa, rac_ratio=rho, rac_mode=mode, backend="xla")
+        b = quantize_activations_rac(xa, rac_ratio=rho, rac_mode=mode, backend="pallas")
+        key = f"quant_pallas_vs_xla_rho{rho}_{mode}"
+        out[key + "_x_code_mismatch"] = int((np.asarray(a[0].codes) != np.asarray(b[0].codes)).sum())
+        out[key + "_x_scale_mismatch"] = int((np.asarray(a[0].scales).view(np.uint8) != np.asarray(b[0].scales).view(np.uint8)).sum())
+        if a[1] is not None:
+            out[key + "_r_code_mismatch_frac"] = float((np.asarray(a[1].codes) != np.asarray(b[1].codes)).mean())
+
+    rel = lambda u, v: float(np.linalg.norm(np.asarray(u, np.float32) - np.asarray(v, np.float32)) / np.linalg.norm(np.asarray(v, np.float32)))
+    for t in (1, 37, 300):
+        xw = jnp.asarray(rng.standard_normal((t, 2048)).astype(np.float32)).astype(jnp.bfloat16)
+        wf = rng.standard_normal((768, 2048)).astype(np.float32)
+        w = F.quantize(jnp.asarray(wf))
+        f32 = np.asarray(xw.astype(jnp.float32)) @ wf.T
+        for rho in (0.0, 0.5):
+            a = nvfp4_matmul(xw, w, rac_ratio=rho, backend="xla")
+            b = nvfp4_matmul(xw, w, rac_ratio=rho, backend="pallas")
+            out[f"gemm_T{t}_rho{rho}_pallas_vs_xla_rel"] = rel(b, a)
+            out[f"gemm_T{t}_rho{rho}_err_vs_f32"] = rel(a, f32)
+        b = nvfp4_matmul(xw, w, mode="w4a16", backend="pallas")
+        out[f"gemm_T{t}_w4a16_pallas_vs_xla_rel"] = rel(b, nvfp4_matmul(xw, w, mode="w4a16", backend="xla"))
+    e, m = 16, 200
+    sizes = jnp.asarray(np.bincount(rng.integers(0, e - 3, m), minlength=e).astype(np.int32))
+    we = F.quantize(jnp.asarray(rng.standard_normal((e, 512, 1024)).astype(np.float32)), keep_axes=(0,))
+    xg = jnp.asarray(rng.standard_normal((m, 1024)).astype(np.float32)).astype(jnp.bfloat16)
+    for rho in (0.0, 0.5):
+        a = nvfp4_grouped_matmul(xg, we, sizes, rac_ratio=rho, backend="xla")
+        b = nvfp4_grouped_matmul(xg, we, sizes, rac_ratio=rho, backend="pallas")
+        out[f"grouped_rho{rho}_pallas_vs_xla_rel"] = rel(b, a)
+    return out
+
+
+DECODE_SHAPES = [(2048, 768), (2048, 6144), (4096, 14336)]
+
+
+@section("decode")
+def decode(measure, ceil, quick):
+    import jax
+    import jax.numpy as jnp
+
+    from quads_jax import fp8, nvfp4 as F
+    from pallas_kernels import fp8_matmul, nvfp4_matmul
+
+    rows = []
+    rng = np.random.default_rng(1)
+    copy = ceil.get("copy_TBps") if ceil else None
+    for k, n in DECODE_SHAPES:
+        wf = jnp.asarray(rng.standard_normal((n, k)).astype(np.float32) * 0.02)
+        wb = wf.astype(jnp.bfloat16)
+        w4 = F.quantize(wf)
+        w8 = fp8.quantize(wf)
+        wbytes4 = w4.codes.size + w4.scales.size
+        for t in (1, 16, 64) if not quick else (16,):
+            x = jnp.asarray(rng.standard_normal((t, k)).astype(np.float32)).astype(jnp.bfloat16)
+            r = {"T": t, "K": k, "N": n}
+            dot_nt = lambda a, b: jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+            variants = {
+                "bf16_dot": (dot_nt, (x, wb)),
+                "fp8_dot": (lambda a, w: fp8_matmul(a, w), (x, w8)),
+                "nvfp4_rho0": (lambda a, w: nvfp4_matmul(a, w, backend="pallas"), (x, w4)),
+                "nvfp4_rho0.5": (lambda a, w: nvfp4_matmul(a, w, rac_ratio=0.5, backend="pallas"), (x, w4)),
+                "nvfp4_w4a16": (lambda a, w: nvfp4_matmul(a, w, mode="w4a16", backend="pallas"), (x, w4)),
+                "nvfp4_xla_rho0": (lambda a, w: nvfp4_matmul(a, w, backend="xla"), (x, w4)),
+            }
+            for name, (f, args) in variants.items():
+                try:
+                    r[name + "_us"] = measure(f, *args)
+                except Exception as e:
+                    r[name + "_us"] = None
+                    RESULTS["errors"][f"decode_{name}_{t}_{k}_{n}"] = f"{type(e).__name__}: {e}"[:600]
+            us = r.get("nvfp4_rho0_us")
+            if us:
+                r["nvfp4_weight_TBps"] = wbytes4 / us / 1e6
+                if copy:
+                    r["nvfp4_frac_of_copy_bw"] = r["nvfp4_weight_TBps"] / copy
+                if r.get("bf16_dot_us"):
+                    r["speedup_vs_bf16"] = r["bf16_dot_us"] / us
+                if r.get("fp8_dot_us"):
+                    r["speedup_vs_fp8"] = r["fp8_dot_us"] / us
+                if r.get("nvfp4_rho0.5_us"):
+                    r["rac_overhead"] = r["nvfp4_rho0.5_us"] / us - 1
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+    return rows
+
+
+@section("prefill")
+def prefill(measure):
+    import jax
+    import jax.numpy as jnp
+
+    from quads_jax import nvfp4 as F
+    from pallas_kernels import nvfp4_matmul
+
+    t = k = n = 4096
+    rng = np.random.default_rng(2)
+    wf = jnp.asarray(rng.standard_normal((n, k)).astype(np.float32) * 0.02)
+    x = jnp.asarray(rng.standard_normal((t, k)).astype(np.float32)).astype(jnp.bfloat16)
+    w4 = F.quantize(wf)
+    flops = 2 * t * k * n
+    dot_nt = lambda a, b: jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+    r = {"T": t, "K": k, "N": n}
+    r["bf16_dot_TFLOPs"] = flops / measure(dot_nt, x, wf.astype(jnp.bfloat16), iterations=20) / 1e6
+    for name, kw in {"nvfp4_rho0": {}, "nvfp4_rho0.5": {"rac_ratio": 0.5}, "nvfp4_w4a16": {"mode": "w4a16"}}.items():
+        try:
+            r[name + "_TFLOPs"] = flops / measure(lambda a, w: nvfp4_matmul(a, w, backend="pallas", **kw), x, w4, iterations=20) / 1e6
+        except Exception as e:
+            RESULTS["errors"][f"prefill_{name}"] = f"{type(e).__name__}: {e}"[:600]
+    if r.get("nvfp4_rho0_TFLOPs"):
+        r["ratio_vs_bf16"] = r["nvfp4_rho0_TFLOPs"] / r["bf16_dot_TFLOPs"]
+    return r
+
+
+@section("grouped")
+def grouped(measure):
+    import jax
+    import jax.numpy as jnp
+
+    from quads_jax import nvfp4 as F
+    from pallas_kernels import nvfp4_grouped_matmul
+
+    rows = []
+    rng = np.random.default_rng(3)
+    e, topk = 64, 8
+    for t, k, n in [(64, 2048, 768), (64, 768, 2048), (16, 2048, 768)]:
+        m = t * topk
+        sizes = jnp.asarray(np.bincount(rng.integers(0, e, m), minlength=e).astype(np.int32))
+        wf = jnp.asarray(rng.standard_normal((e, n, k)).astype(np.float32) * 0.02)
+        w4 = F.quantize(wf, keep_axes=(0,))
+        wkn = jnp.swapaxes(wf, 1, 2).astype(jnp.bfloat16)
+        x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32)).astype(jnp.bfloat16)
+        r = {"tokens": t, "rows": m, "experts": e, "K": k, "N": n}
+        r["ragged_dot_bf16_us"] = measure(lambda a, w, g: jax.lax.ragged_dot(a, w, g), x, wkn, sizes)
+        for name, kw in {"nvfp4_rho0": {}, "nvfp4_rho0.5": {"rac_ratio": 0.5}}.items():
+            try:
+                r[name + "_us"] = measure(lambda a, w, g: nvfp4_grouped_matmul(a, w, g, backend="pallas", **kw), x, w4, sizes)
+            except Exception as ex:
+                RESULTS["errors"][f"grouped_{name}_{t}_{k}_{n}"] = f"{type(ex).__name__}: {ex}"[:600]
+        if r.get("nvfp4_rho0_us"):
+            r["speedup_vs_ragged_dot"] = r["ragged_dot_bf16_us"] / r["nvfp4_rho0_us"]
+            r["weight_TBps"] = (w4.codes.size + w4.scales.size) / r["nvfp4_rho0_us"] / 1e6
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+    return rows
+
+
+@section("torch")
+def torch_baselines():
+    import torch
+    from triton.testing import do_bench
+
+    rows = []
+    for k, n in DECODE_SHAPES:
+        for t in (1, 16, 64):
+            a = torch.randn(t, k, device="cuda", dtype=torch.bfloat16)
+            b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+            r = {"T": t, "K": k, "N": n}
+            r["cublas_bf16_us"] = do_bench(lambda: a @ b.t(), warmup=25, rep=200, return_mode="median") * 1e3
+            try:
+                a8 = a.to(torch.float8_e4m3fn)
+                b8 = b.to(torch.float8_e4m3fn)
+                sa = torch.ones(t, 1, device="cuda")
+                sb = torch.ones(1, n, device="cuda")
+                tp = max(16, t)
+                a8p = torch.zeros(tp, k, device="cuda", dtype=torch.float8_e4m3fn)
+                a8p[:t] = a8
+                sap = torch.ones(tp, 1, device="cuda")
+                r["cublas_fp8_scaled_mm_us"] = do_bench(lambda: torch._scaled_mm(a8p, b8.t(), scale_a=sap, scale_b=sb, out_dtype=torch.bfloat16), warmup=25, rep=200, return_mode="median") * 1e3
+            except Exception as e:
+                r["cublas_fp8_error"] = str(e)[:300]
+            rows.append(r)
+    return rows
+
+
+@section("sass")
+def sass(out_dir):
+    """Compile one Pallas GEMM with XLA dumps on, assemble its PTX and count MMA instructions."""
+    dump = os.path.join("/tmp", "quads_dump")
+    code = (
+        "import jax, jax.numpy as jnp, numpy as np\n"
+        "from quads_jax import nvfp4 as F\nfrom pallas_kernels import nvfp4_matmul\n"
+        "x=jnp.ones((16,2048),jnp.bfloat16); w=F.quantize(jnp.asarray(np.random.randn(768,2048).astype(np.float32)))\n"
+        "jax.block_until_ready(nvfp4_matmul(x,w,rac_ratio=0.5,backend='pallas'))\n"
+    )
+    env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={dump}")
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True)
+    ptx = sorted(glob.glob(f"{dump}/**/*.ptx", recursive=True))
+    res = {"ptx_files": len(ptx)}
+    for p in ptx:
+        txt = open(p).read()
+        if "nvfp4_matmul" not in txt and "mma" not in txt:
+            continue
+        res[os.path.basename(p)] = {"ptx_mma_sync": txt.count("mma.sync"), "ptx_wgmma": txt.count("wgmma")}
+        cubin = p + ".cubin"
+        r = subprocess.run(["ptxas", "-arch=sm_90a", p, "-o", cubin], capture_output=True, text=True)
+        if r.returncode == 0:
+            s = subprocess.run(["cuobjdump", "-sass", cubin], capture_output=True, text=True).stdout
+            res[os.path.basename(p)].update({"sass_HMMA": s.count("HMMA"), "sass_HGMMA": s.count("HGMMA"), "sass_FFMA": s.count("FFMA")})
+        else:
+            res[os.path.basename(p)]["ptxas_error"] = r.stderr[:300]
+    return res
+
+
+def markdown(res) -> str:
+    s = res["sections"]
+    env = s.get("env", {})
+    lines = [f"# Kernel benchmarks ({env.get('date', '?')}, {env.get('device', '?')}, jax {env.get('jax', '?')})", ""]
+    c = s.get("ceilings", {})
+    if c:
+        lines += [f"Ceilings measured in this run: copy {c['copy_TBps']:.2f} TB/s, BF16 matmul {c['bf16_matmul_TFLOPs']:.0f} TFLOP/s.", ""]
+    if s.get("decode"):
+        lines += ["## Decode GEMM (us, CUPTI kernel time, median)", "", "| T | K x N | bf16 dot | fp8 dot | nvfp4 rho0 | nvfp4 rho0.5 | w4a16 | xla ref | W TB/s | x bf16 | x fp8 | RAC cost |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        f = lambda v, fmt="{:.1f}": "-" if v is None else fmt.format(v)
+        for r in s["decode"]:
+            lines.append(f"| {r['T']} | {r['K']}x{r['N']} | {f(r.get('bf16_dot_us'))} | {f(r.get('fp8_dot_us'))} | {f(r.get('nvfp4_rho0_us'))} | {f(r.get('nvfp4_rho0.5_us'))} | {f(r.get('nvfp4_w4a16_us'))} | {f(r.get('nvfp4_xla_rho0_us'))} | {f(r.get('nvfp4_weight_TBps'), '{:.2f}')} | {f(r.get('speedup_vs_bf16'), '{:.2f}')} | {f(r.get('speedup_vs_fp8'), '{:.2f}')} | {f(r.get('rac_overhead'), '{:+.0%}')} |")
+        lines.append("")
+    if s.get("prefill"):
+        p = s["prefill"]
+        lines += ["## Prefill 4096^3 (TFLOP/s)", "", json.dumps(p), ""]
+    if s.get("grouped"):
+        lines += ["## Grouped MoE decode (64 experts, top-8)", "", "| tokens | K x N | ragged_dot bf16 us | nvfp4 rho0 us | nvfp4 rho0.5 us | speedup | W TB/s |", "|---|---|---|---|---|---|---|"]
+        for r in s["grouped"]:
+            lines.append(f"| {r['tokens']} | {r['K']}x{r['N']} | {r['ragged_dot_bf16_us']:.1f} | {r.get('nvfp4_rho0_us') or '-'} | {r.get('nvfp4_rho0.5_us') or '-'} | {r.get('speedup_vs_ragged_dot') or '-'} | {r.get('weight_TBps') or '-'} |")
+        lines.append("")
+    if s.get("torch"):
+        lines += ["## cuBLAS through torch (us, do_bench median)", "", "| T | K x N | bf16 | fp8 _scaled_mm |", "|---|---|---|---|"]
+        for r in s["torch"]:
+            lines.append(f"| {r['T']} | {r['K']}x{r['N']} | {r['cublas_bf16_us']:.1f} | {r.get('cublas_fp8_scaled_mm_us', '-')} |")
+        lines.append("")
+    for key in ("numerics", "sass"):
+        if s.get(key):
+            lines += [f"## {key}", "", "```", json.dumps(s[key], indent=1), "```", ""]
+    if res["errors"]:
+        lines += ["## errors", "", "```", json.dumps(res["errors"], indent=1)[:6000], "```"]
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", default="", help="comma-separated sections")
+    args = ap.parse_args()
+    only = set(filter(None, args.only.split(",")))
+    want = lambda s: not only or s in only
+    os.makedirs(args.out, exist_ok=True)
+    measure = timer()
+    env()
+    if want("numerics"):
+        numerics()
+    if want("ceilings"):
+        ceilings(measure)
+    ceil = RESULTS["sections"].get("ceilings")
+    if want("decode"):
+        decode(measure, ceil, args.quick)
+    if want("prefill"):
+        prefill(measure)
+    if want("grouped"):
+        grouped(measure)
+    if want("torch"):
+        torch_baselines()
+    if want("sass"):
+        sass(args.out)
+    with open(os.path.join(args.out, "kernels.json"), "w") as f:
+        json.dump(RESULTS, f, indent=1)
+    md = markdown(RESULTS)
+    with open(os.path.join(args.out, "kernels.md"), "w") as f:
+        f.write(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,19 @@
+"""Pallas GPU kernels for NVFP4 rollouts, each with an XLA reference of the same signature.
+
+    from pallas_kernels import nvfp4_matmul, use_backend
+    y = nvfp4_matmul(x, w_nvfp4, rac_ratio=0.5)            # process default backend
+    y = nvfp4_matmul(x, w_nvfp4, rac_ratio=0.5, backend="xla")
+"""
+
+from pallas_kernels.backend import BACKENDS, get_backend, set_backend, use_backend
+from pallas_kernels.fp8_matmul import fp8_grouped_matmul, fp8_matmul
+from pallas_kernels.nvfp4_grouped_matmul import nvfp4_grouped_matmul, nvfp4_grouped_matmul_xla
+from pallas_kernels.nvfp4_matmul import GemmConfig, gemm_config, nvfp4_matmul, nvfp4_matmul_xla
+from pallas_kernels.quantize_activations import quantize_activations, quantize_activations_rac
+
+__all__ = [
+    "BACKENDS", "get_backend", "set_backend", "use_backend",
+    "quantize_activations", "quantize_activations_rac",
+    "nvfp4_matmul", "nvfp4_matmul_xla", "nvfp4_grouped_matmul", "nvfp4_grouped_matmul_xla",
+    "fp8_matmul", "fp8_grouped_matmul", "GemmConfig", "gemm_config",
+]

@@ -1,0 +1,45 @@
+"""FP8 W8A8 baseline: E4M3 weights [N, K] (per output channel) x E4M3 activations (per token).
+
+This baseline's kernel is XLA's native FP8 dot (cuBLASLt on Hopper), so there is no Pallas
+variant; ``backend`` is accepted for a uniform signature and ignored. Weights are stored
+[N, K] and contracted on their last axis: with [K, N] XLA transposes the FP8 weight on
+every call (measured at 0.2x the BF16 dot here).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from quads_jax import fp8
+from pallas_kernels.nvfp4_grouped_matmul import check_group_sizes, expert_of_rows
+
+
+def _check(x, w: fp8.FP8Tensor, ndim: int):
+    if not isinstance(w, fp8.FP8Tensor) or w.values.ndim != ndim:
+        raise ValueError(f"w: expected an FP8Tensor of rank {ndim} ([N, K] or [E, N, K]), got {type(w).__name__}")
+    if x.ndim != 2 or x.shape[1] != w.shape[-1]:
+        raise ValueError(f"x: expected [T, {w.shape[-1]}], got {tuple(x.shape)}")
+
+
+def fp8_matmul(x, w: fp8.FP8Tensor, *, backend=None, out_dtype=jnp.bfloat16):
+    """x [T, K] @ W.T with W8A8 E4M3 numerics (FP32 accumulation)."""
+    del backend
+    _check(x, w, 2)
+    xq = fp8.quantize(x, axis=-1)  # [T, K], scale [T, 1]
+    acc = jax.lax.dot_general(xq.values, w.values, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return (acc * xq.scale * w.scale[:, 0][None, :]).astype(out_dtype)
+
+
+def fp8_grouped_matmul(x, w: fp8.FP8Tensor, group_sizes, *, backend=None, out_dtype=jnp.bfloat16):
+    """Grouped W8A8 for sorted MoE rows; w [E, N, K] with scales [E, N, 1]."""
+    del backend
+    _check(x, w, 3)
+    m = x.shape[0]
+    group_sizes = check_group_sizes(group_sizes, m, w.shape[0])
+    xq = fp8.quantize(x, axis=-1)
+    wv = jnp.swapaxes(w.values, 1, 2)  # [E, K, N]
+    acc = jax.lax.ragged_dot(xq.values, wv, group_sizes, preferred_element_type=jnp.float32)
+    ex = expert_of_rows(group_sizes, m)
+    ws = jnp.concatenate([w.scale[..., 0], jnp.zeros((1, w.shape[1]), jnp.float32)])[ex]  # [M, N]
+    return (acc * xq.scale * ws).astype(out_dtype)

@@ -1,0 +1,175 @@
+"""Grouped NVFP4 W4A4 (+RAC) GEMM for MoE experts: dropless, tokens sorted by expert.
+
+x [M, K] holds the rows of expert 0, then expert 1, ... (``group_sizes`` [E], summing to
+at most M; trailing rows past the sum are left zero), w [E, N, K] is quantized along K
+with per-expert global scales ([E, 1, 1]). out[rows of e] = x[rows of e] @ W_e.T.
+
+Work is cut into (expert, row tile) items computed from ``group_sizes`` on the device:
+item i covers rows [start_i, end_i) of one expert, at most ``block_m`` of them; there are
+at most cdiv(M, block_m) + E items, and programs past the real count exit at once. Each
+program streams one N tile of its expert's weight (decoded once, feeding both MMAs) with
+the same main loop as the dense kernel. Empty experts produce no items.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from quads_jax import nvfp4
+from pallas_kernels import backend as _backend
+from pallas_kernels.tile_math import pad_axis
+from pallas_kernels.nvfp4_matmul import (
+    GemmConfig,
+    _bits,
+    _check_args,
+    epilogue,
+    gemm_config,
+    gemm_tile_loop,
+    make_loaders,
+    quantized_operands,
+)
+
+
+def check_group_sizes(group_sizes, m: int, e: int):
+    gs = jnp.asarray(group_sizes)
+    if gs.shape != (e,) or not jnp.issubdtype(gs.dtype, jnp.integer):
+        raise ValueError(f"group_sizes: expected an integer array of shape ({e},), got {gs.dtype}{tuple(gs.shape)}")
+    return gs.astype(jnp.int32)
+
+
+def expert_of_rows(group_sizes, m: int):
+    """[M] expert index of each row (rows past sum(group_sizes) get E, out of range)."""
+    ends = jnp.cumsum(group_sizes)
+    return jnp.searchsorted(ends, jnp.arange(m, dtype=jnp.int32), side="right").astype(jnp.int32)
+
+
+def work_items(group_sizes, m: int, block_m: int):
+    """(expert, row_start, row_end) per work item, and the static item capacity."""
+    e = group_sizes.shape[0]
+    cap = pl.cdiv(m, block_m) + e
+    tiles = (group_sizes + block_m - 1) // block_m
+    tile_end = jnp.cumsum(tiles)
+    row_off = jnp.cumsum(group_sizes) - group_sizes
+    i = jnp.arange(cap, dtype=jnp.int32)
+    ex = jnp.minimum(jnp.searchsorted(tile_end, i, side="right"), e - 1).astype(jnp.int32)
+    local = i - (tile_end[ex] - tiles[ex])
+    start = row_off[ex] + local * block_m
+    end = jnp.minimum(start + block_m, row_off[ex] + group_sizes[ex])
+    valid = i < tile_end[-1]
+    end = jnp.where(valid, end, start)  # invalid items cover no rows
+    return jnp.stack([ex, start, end], axis=1).astype(jnp.int32), cap
+
+
+def _grouped_kernel(items_ref, *refs, m, n, k, cfg, w4a16, rac_on, interpret):
+    refs = list(refs)
+    a_refs = [refs.pop(0)] if w4a16 else [refs.pop(0), refs.pop(0)]
+    gx_ref = None if w4a16 else refs.pop(0)
+    r_refs = [refs.pop(0), refs.pop(0)] if rac_on else []
+    wc_ref, ws_ref, gw_ref, out_ref = refs
+    bm, bn = cfg.block_m, cfg.block_n
+    it, jn, sk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    ex = items_ref[it, 0]
+    start = items_ref[it, 1]
+    end = items_ref[it, 2]
+
+    @pl.when(end > start)
+    def _():
+        rows = start + jnp.arange(bm)
+        row_ok = (rows < end)[:, None]
+        row_sl = pl.ds(start, bm)
+        col_sl = pl.ds(jn * bn, bn)
+        col_ok = (jn * bn + jnp.arange(bn) < n)[:, None]
+        load_a, load_r, load_w = make_loaders(
+            a_refs=a_refs, r_refs=r_refs, w_refs=(wc_ref, ws_ref), row_sl=row_sl, row_ok=row_ok,
+            col_sl=col_sl, col_ok=col_ok, cfg=cfg, w4a16=w4a16, interpret=interpret, w_index=(ex,),
+        )
+        steps = k // (cfg.block_k * cfg.split_k)
+        accs = gemm_tile_loop(k_start=sk * steps * cfg.block_k, steps=steps, cfg=cfg, load_a=load_a, load_r=load_r, load_w=load_w, interpret=interpret)
+        out = epilogue(accs, gx_ref, row_sl, row_ok, gw_ref[ex], w4a16)
+        out_mask = row_ok & (jn * bn + jnp.arange(bn) < n)[None, :]
+        if cfg.split_k == 1:
+            plgpu.store(out_ref.at[row_sl, col_sl], out.astype(out_ref.dtype), mask=out_mask)
+        else:
+            plgpu.store(out_ref.at[sk, row_sl, col_sl], out, mask=out_mask)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "w4a16", "out_dtype", "interpret", "n"))
+def _grouped_call(a, gx, r, wc, ws, gw, group_sizes, *, n, cfg, w4a16, out_dtype, interpret):
+    m_real = a[0].shape[0]
+    k = wc.shape[-1] * 2
+    items, cap = work_items(group_sizes, m_real, cfg.block_m)
+    rac_on = r is not None
+    if interpret:  # interpret mode clamps out-of-range slices instead of masking them
+        m_pad = m_real + cfg.block_m
+        n_pad = pl.cdiv(n, cfg.block_n) * cfg.block_n
+        a, r = [pad_axis(v, 0, m_pad) for v in a], r and [pad_axis(v, 0, m_pad) for v in r]
+        gx = None if gx is None else pad_axis(gx, 0, m_pad)
+        wc, ws = pad_axis(wc, 1, n_pad), pad_axis(ws, 1, n_pad)
+    m = a[0].shape[0]
+    args = [items] + list(a) + ([] if w4a16 else [gx]) + (list(r) if rac_on else []) + [wc, ws, gw]
+    shape = (m, n) if cfg.split_k == 1 else (cfg.split_k, m, n)
+    out_shape = jax.ShapeDtypeStruct(shape, out_dtype if cfg.split_k == 1 else jnp.float32)
+    kernel = functools.partial(_grouped_kernel, m=m, n=n, k=k, cfg=cfg, w4a16=w4a16, rac_on=rac_on, interpret=interpret)
+    out = pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=(cap, pl.cdiv(n, cfg.block_n), cfg.split_k),
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        interpret=interpret,
+        name="nvfp4_grouped_matmul",
+    )(*args)
+    if cfg.split_k > 1:
+        out = out.sum(0).astype(out_dtype)
+    out = out[:m_real, :n]
+    # rows past sum(group_sizes) are never written: define them as zero
+    valid = jnp.arange(m_real) < jnp.sum(group_sizes)
+    return jnp.where(valid[:, None], out, jnp.zeros((), out.dtype))
+
+
+def _per_expert_gw(w):
+    e = w.shape[0]
+    return jnp.broadcast_to(jnp.asarray(w.global_scale, jnp.float32).reshape(-1), (e,))
+
+
+def nvfp4_grouped_matmul_xla(x, w, group_sizes, *, rac_ratio=0.0, rac_mode="token", act_scale="tensor", mode="w4a4", out_dtype=jnp.bfloat16):
+    """The XLA reference: ``lax.ragged_dot`` over the same BF16 block values."""
+    _check_args(x, w, mode, rac_ratio, rac_mode, ndim=3)
+    m = x.shape[0]
+    group_sizes = check_group_sizes(group_sizes, m, w.shape[0])
+    wv = jnp.swapaxes(nvfp4.block_values(w, jnp.bfloat16), 1, 2)  # [E, K, N]
+    dot = lambda a: jax.lax.ragged_dot(a, wv, group_sizes, preferred_element_type=jnp.float32)
+    ex = expert_of_rows(group_sizes, m)
+    gw = jnp.concatenate([_per_expert_gw(w), jnp.zeros((1,), jnp.float32)])[ex][:, None]
+    if mode == "w4a16":
+        out = dot(x.astype(jnp.bfloat16)) * gw
+    else:
+        xq, rq = quantized_operands(x, mode=mode, rac_ratio=rac_ratio, rac_mode=rac_mode, act_scale=act_scale, backend="xla")
+        out = dot(nvfp4.block_values(xq)) * xq.global_scale
+        if rq is not None:
+            out = out + dot(nvfp4.block_values(rq)) * rq.global_scale
+        out = out * gw
+    return out.astype(out_dtype)
+
+
+def nvfp4_grouped_matmul(x, w, group_sizes, *, rac_ratio=0.0, rac_mode="token", act_scale="tensor", mode="w4a4", backend=None, out_dtype=jnp.bfloat16, config: GemmConfig | None = None):
+    """Per-expert x_e @ W_e.T for rows sorted by expert; see the module docstring."""
+    if _backend.resolve(backend) == "xla":
+        return nvfp4_grouped_matmul_xla(x, w, group_sizes, rac_ratio=rac_ratio, rac_mode=rac_mode, act_scale=act_scale, mode=mode, out_dtype=out_dtype)
+    _check_args(x, w, mode, rac_ratio, rac_mode, ndim=3)
+    m, k = x.shape
+    e, n, _ = w.shape
+    group_sizes = check_group_sizes(group_sizes, m, e)
+    if k % 32:
+        raise ValueError(f"x: the Pallas GEMM needs K % 32 == 0 (got K={k}); use backend='xla'")
+    cfg = config or gemm_config(m, n, k, programs_per_row_tile=1)
+    xq, rq = quantized_operands(x, mode=mode, rac_ratio=rac_ratio, rac_mode=rac_mode, act_scale=act_scale, backend="pallas")
+    w4a16 = mode == "w4a16"
+    a = (x,) if w4a16 else (xq.codes, _bits(xq.scales))
+    gx = None if w4a16 else xq.global_scale
+    r = None if rq is None else (rq.codes, _bits(rq.scales))
+    return _grouped_call(a, gx, r, w.codes, _bits(w.scales), _per_expert_gw(w), group_sizes, n=n, cfg=cfg, w4a16=w4a16, out_dtype=out_dtype, interpret=_backend.interpret_mode())

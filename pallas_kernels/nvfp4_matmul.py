@@ -1,0 +1,277 @@
+"""NVFP4 W4A4 GEMM with fused residual activation compensation (RAC), for Hopper.
+
+    out = gw * (gx * (Xq @ Wq.T) + gr * (Rq @ Wq.T))          (FP32 accumulation)
+
+where Xq, Rq, Wq are the NVFP4 block values (E2M1 code times its E4M3 block scale, exact
+in BF16) of the activations, the selected activation residual and the weight, and gx, gr,
+gw their global scales. Hopper has no FP4 tensor cores: each weight tile is decoded once
+in registers (codes -> E2M1 -> times the block scale -> BF16) and feeds both BF16 MMAs;
+the global scales are applied in the epilogue. That is a native NVFP4 GEMM's numerics up
+to accumulation order, while moving 4.5 bits per weight.
+
+Packed codes hold channel 2j in the low and 2j+1 in the high nibble, so a K-tile splits
+into its even and odd channels: ``A_even @ W_even.T + A_odd @ W_odd.T``, which needs no
+interleave in registers. Block scales (one per 16 channels = 8 packed bytes) are expanded
+along the packed axis with a broadcast + reshape.
+
+``mode="w4a16"`` keeps the activations in BF16 (weight-only quantization). Decode-size
+problems (few tokens) use split-K so that enough programs stream the weight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from quads_jax import nvfp4
+from pallas_kernels import backend as _backend
+from pallas_kernels import rac
+from pallas_kernels.quantize_activations import quantize_activations_rac
+from pallas_kernels.tile_math import load_even_odd, pad_axis
+
+MODES = ("w4a4", "w4a16")
+NUM_SMS = 132  # H200
+
+
+# ----------------------------------------------------------------------------- tuning
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+def gemm_config(t: int, n: int, k: int, programs_per_row_tile: int = 1) -> GemmConfig:
+    """Heuristic tiles: decode (few tokens) streams the weight with narrow N tiles and
+    split-K until ~2 waves of programs; prefill uses square MMA tiles."""
+    if t >= 256:
+        bk = 64 if k % 64 == 0 else 32
+        return GemmConfig(block_m=128, block_n=128, block_k=bk, num_warps=8, num_stages=3)
+    bm = 16 if t <= 16 else (32 if t <= 32 else 64)
+    bk = next(b for b in (256, 128, 64, 32) if k % b == 0)
+    bn = 64
+    tiles = pl.cdiv(t, bm) * pl.cdiv(n, bn) * programs_per_row_tile
+    split = 1
+    while tiles * split < 2 * NUM_SMS and (k // bk) % (split * 2) == 0 and k // (bk * split * 2) >= 2:
+        split *= 2
+    return GemmConfig(block_m=bm, block_n=bn, block_k=bk, split_k=split, num_warps=4, num_stages=4)
+
+
+# ----------------------------------------------------------------------------- tile decode
+
+
+def decode_tile(codes, scale_bits, rows, bk):
+    """Packed codes [rows, bk/2] (uint8) and E4M3 scale bits [rows, bk/16] -> the even and
+    odd channels' block values in BF16 (exact), each [rows, bk/2]."""
+    c = codes.astype(jnp.int32)
+    s = nvfp4.decode_e4m3_bits(scale_bits.astype(jnp.int32))
+    s = jnp.broadcast_to(s[:, :, None], (rows, bk // 16, 8)).reshape(rows, bk // 2)
+    lo = (nvfp4.decode_e2m1_arith(c & 15) * s).astype(jnp.bfloat16)
+    hi = (nvfp4.decode_e2m1_arith(c >> 4) * s).astype(jnp.bfloat16)
+    return lo, hi
+
+
+def _dot_nt(a, b):
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def gemm_tile_loop(*, k_start, steps, cfg, load_a, load_r, load_w, interpret):
+    """The shared main loop: accumulates A @ W.T (and R @ W.T) over ``steps`` K-tiles."""
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+
+    def body(i, accs):
+        k0 = k_start + i * bk
+        w_lo, w_hi = load_w(k0)
+        a_lo, a_hi = load_a(k0)
+        acc = accs[0] + _dot_nt(a_lo, w_lo) + _dot_nt(a_hi, w_hi)
+        if load_r is None:
+            return (acc,)
+        r_lo, r_hi = load_r(k0)
+        return (acc, accs[1] + _dot_nt(r_lo, w_lo) + _dot_nt(r_hi, w_hi))
+
+    zeros = jnp.zeros((bm, bn), jnp.float32)
+    init = (zeros,) if load_r is None else (zeros, zeros)
+    return jax.lax.fori_loop(0, steps, body, init)
+
+
+def make_loaders(*, a_refs, r_refs, w_refs, row_sl, row_ok, col_sl, col_ok, cfg, w4a16, interpret, w_index=()):
+    """Tile loaders for activations (codes or BF16), residual codes and weight codes."""
+    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    wc_ref, ws_ref = w_refs
+
+    def load_w(k0):
+        wc = plgpu.load(wc_ref.at[(*w_index, col_sl, pl.ds(k0 // 2, bk // 2))], mask=col_ok, other=0)
+        ws = plgpu.load(ws_ref.at[(*w_index, col_sl, pl.ds(k0 // 16, bk // 16))], mask=col_ok, other=0)
+        return decode_tile(wc, ws, bn, bk)
+
+    def load_codes(refs):
+        c_ref, s_ref = refs
+
+        def load(k0):
+            c = plgpu.load(c_ref.at[row_sl, pl.ds(k0 // 2, bk // 2)], mask=row_ok, other=0)
+            s = plgpu.load(s_ref.at[row_sl, pl.ds(k0 // 16, bk // 16)], mask=row_ok, other=0)
+            return decode_tile(c, s, bm, bk)
+
+        return load
+
+    if w4a16:
+        (x_ref,) = a_refs
+
+        def load_a(k0):
+            even, odd = load_even_odd(x_ref, row_sl, k0, bk, row_ok, interpret, other=0.0)
+            return even.astype(jnp.bfloat16), odd.astype(jnp.bfloat16)
+
+    else:
+        load_a = load_codes(a_refs)
+    load_r = load_codes(r_refs) if r_refs else None
+    return load_a, load_r, load_w
+
+
+# ----------------------------------------------------------------------------- kernel
+
+
+def _gemm_kernel(*refs, t, n, k, cfg, w4a16, rac_on, interpret):
+    refs = list(refs)
+    a_refs = [refs.pop(0)] if w4a16 else [refs.pop(0), refs.pop(0)]
+    gx_ref = None if w4a16 else refs.pop(0)
+    r_refs = [refs.pop(0), refs.pop(0)] if rac_on else []
+    wc_ref, ws_ref, gw_ref, out_ref = refs
+    bm, bn = cfg.block_m, cfg.block_n
+    im, jn, sk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    row_sl, col_sl = pl.ds(im * bm, bm), pl.ds(jn * bn, bn)
+    row_ok = (im * bm + jnp.arange(bm) < t)[:, None]
+    col_ok = (jn * bn + jnp.arange(bn) < n)[:, None]
+    load_a, load_r, load_w = make_loaders(
+        a_refs=a_refs, r_refs=r_refs, w_refs=(wc_ref, ws_ref), row_sl=row_sl, row_ok=row_ok,
+        col_sl=col_sl, col_ok=col_ok, cfg=cfg, w4a16=w4a16, interpret=interpret,
+    )
+    steps = k // (cfg.block_k * cfg.split_k)
+    accs = gemm_tile_loop(k_start=sk * steps * cfg.block_k, steps=steps, cfg=cfg, load_a=load_a, load_r=load_r, load_w=load_w, interpret=interpret)
+    out = epilogue(accs, gx_ref, row_sl, row_ok, gw_ref[0], w4a16)
+    out_mask = row_ok & (jn * bn + jnp.arange(bn) < n)[None, :]
+    if cfg.split_k == 1:
+        plgpu.store(out_ref.at[row_sl, col_sl], out.astype(out_ref.dtype), mask=out_mask)
+    else:
+        plgpu.store(out_ref.at[sk, row_sl, col_sl], out, mask=out_mask)
+
+
+def epilogue(accs, gx_ref, row_sl, row_ok, gw, w4a16):
+    if w4a16:
+        return accs[0] * gw
+    gx = plgpu.load(gx_ref.at[row_sl, :], mask=row_ok, other=0.0)  # [bm, 1]
+    out = accs[0] * gx
+    if len(accs) == 2:
+        out = out + accs[1] * (gx * rac.RESIDUAL_SCALE_FACTOR)
+    return out * gw
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "w4a16", "out_dtype", "interpret", "n"))
+def _gemm_call(a, gx, r, wc, ws, gw, *, n, cfg, w4a16, out_dtype, interpret):
+    t_real = a[0].shape[0]
+    k = wc.shape[-1] * 2
+    rac_on = r is not None
+    if interpret:  # interpret mode clamps out-of-range slices instead of masking them
+        t_pad = pl.cdiv(t_real, cfg.block_m) * cfg.block_m
+        n_pad = pl.cdiv(n, cfg.block_n) * cfg.block_n
+        a, r = [pad_axis(v, 0, t_pad) for v in a], r and [pad_axis(v, 0, t_pad) for v in r]
+        gx = None if gx is None else pad_axis(gx, 0, t_pad)
+        wc, ws = pad_axis(wc, 0, n_pad), pad_axis(ws, 0, n_pad)
+    t = a[0].shape[0]
+    args = list(a) + ([] if w4a16 else [gx]) + (list(r) if rac_on else []) + [wc, ws, gw]
+    if cfg.split_k == 1:
+        out_shape = jax.ShapeDtypeStruct((t, n), out_dtype)
+    else:
+        out_shape = jax.ShapeDtypeStruct((cfg.split_k, t, n), jnp.float32)
+    kernel = functools.partial(_gemm_kernel, t=t, n=n, k=k, cfg=cfg, w4a16=w4a16, rac_on=rac_on, interpret=interpret)
+    out = pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=(pl.cdiv(t, cfg.block_m), pl.cdiv(n, cfg.block_n), cfg.split_k),
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        interpret=interpret,
+        name="nvfp4_matmul",
+    )(*args)
+    out = out if cfg.split_k == 1 else out.sum(0).astype(out_dtype)
+    return out[:t_real, :n]
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def check_weight(w, name="w", ndim=2):
+    if not isinstance(w, nvfp4.NVFP4Tensor):
+        raise ValueError(f"{name}: expected an NVFP4Tensor (nvfp4.quantize of the [N, K] weight), got {type(w).__name__}")
+    if w.ndim != ndim or w.axis != ndim - 1:
+        raise ValueError(f"{name}: expected a rank-{ndim} weight quantized along its last axis (K), got shape {w.shape} axis {w.axis}")
+
+
+def _check_args(x, w, mode, rac_ratio, rac_mode, ndim=2):
+    check_weight(w, ndim=ndim)
+    if not hasattr(x, "ndim") or x.ndim != 2:
+        raise ValueError(f"x: expected a 2-D array [T, K], got shape {getattr(x, 'shape', None)}")
+    if x.shape[1] != w.shape[-1]:
+        raise ValueError(f"x: K={x.shape[1]} does not match the weight's K={w.shape[-1]} (w.shape={w.shape})")
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r}: expected one of {MODES}")
+    rac.check_rac(rac_ratio, rac_mode)
+    if mode == "w4a16" and rac_ratio > 0:
+        raise ValueError("rac_ratio: residual compensation needs mode='w4a4' (w4a16 has no activation error)")
+
+
+def quantized_operands(x, *, mode, rac_ratio, rac_mode, act_scale, backend):
+    """Activation side shared by the dense and grouped GEMMs: (x codes or None, residual)."""
+    if mode == "w4a16":
+        return None, None
+    return quantize_activations_rac(x, rac_ratio=rac_ratio, rac_mode=rac_mode, act_scale=act_scale, backend=backend)
+
+
+def nvfp4_matmul_xla(x, w, *, rac_ratio=0.0, rac_mode="token", act_scale="tensor", mode="w4a4", out_dtype=jnp.bfloat16):
+    """The XLA reference: the same operands and epilogue with ``jnp.dot`` (BF16 in, FP32 out)."""
+    _check_args(x, w, mode, rac_ratio, rac_mode)
+    wv = nvfp4.block_values(w, jnp.bfloat16)
+    dot = lambda a: jax.lax.dot_general(a, wv, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    gw = jnp.asarray(w.global_scale, jnp.float32)
+    if mode == "w4a16":
+        return (dot(x.astype(jnp.bfloat16)) * gw).astype(out_dtype)
+    xq, rq = quantized_operands(x, mode=mode, rac_ratio=rac_ratio, rac_mode=rac_mode, act_scale=act_scale, backend="xla")
+    out = dot(nvfp4.block_values(xq)) * xq.global_scale
+    if rq is not None:
+        out = out + dot(nvfp4.block_values(rq)) * rq.global_scale
+    return (out * gw).astype(out_dtype)
+
+
+def _bits(scales):
+    return jax.lax.bitcast_convert_type(scales, jnp.uint8)
+
+
+def nvfp4_matmul(x, w, *, rac_ratio=0.0, rac_mode="token", act_scale="tensor", mode="w4a4", backend=None, out_dtype=jnp.bfloat16, config: GemmConfig | None = None):
+    """x [T, K] @ W.T for an NVFP4 weight W [N, K] (checkpoint layout, quantized along K).
+
+    mode "w4a4": activations quantized to NVFP4 on the fly (per-tensor or per-token global
+    scale), plus RAC with ``rac_ratio`` (0 = naive W4A4); "w4a16": BF16 activations.
+    Returns [T, N] in ``out_dtype``. ``backend`` None uses the process default."""
+    if _backend.resolve(backend) == "xla":
+        return nvfp4_matmul_xla(x, w, rac_ratio=rac_ratio, rac_mode=rac_mode, act_scale=act_scale, mode=mode, out_dtype=out_dtype)
+    _check_args(x, w, mode, rac_ratio, rac_mode)
+    t, k = x.shape
+    n = w.shape[0]
+    if k % 32:
+        raise ValueError(f"x: the Pallas GEMM needs K % 32 == 0 (got K={k}); use backend='xla'")
+    cfg = config or gemm_config(t, n, k)
+    gw = jnp.reshape(jnp.asarray(w.global_scale, jnp.float32), (1,))
+    xq, rq = quantized_operands(x, mode=mode, rac_ratio=rac_ratio, rac_mode=rac_mode, act_scale=act_scale, backend="pallas")
+    w4a16 = mode == "w4a16"
+    a = (x,) if w4a16 else (xq.codes, _bits(xq.scales))
+    gx = None if w4a16 else xq.global_scale
+    r = None if rq is None else (rq.codes, _bits(rq.scales))
+    return _gemm_call(a, gx, r, w.codes, _bits(w.scales), gw, n=n, cfg=cfg, w4a16=w4a16, out_dtype=out_dtype, interpret=_backend.interpret_mode())

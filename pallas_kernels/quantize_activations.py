@@ -1,0 +1,197 @@
+"""Activation quantization to NVFP4, with the RAC residual pass fused in.
+
+x [T, K] -> NVFP4 codes [T, K/2] and E4M3 block scales [T, K/16] with a dynamic global
+scale (per tensor, or per token), identical to ``quads_jax.nvfp4.quantize``. With
+``rac_ratio > 0`` the same kernel also selects the residual blocks (per token, by energy,
+see ``rac.py``) and quantizes them a second time, so the rollout's activation side is one
+launch after a tiny amax reduction.
+
+Kernel layout: one program per ``block_rows`` tokens; the row is walked in chunks of
+``chunk`` channels (a power of two dividing K). Each chunk is loaded as its even and odd
+channels (stride-2 loads), which are exactly the low and high nibbles of the packed codes,
+so packing needs no interleave. The in-kernel top fraction is a 31-step bisection on the
+bit patterns of the (non-negative) block energies, which finds the n-th largest exactly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from quads_jax import nvfp4
+from pallas_kernels import backend as _backend
+from pallas_kernels import rac
+from pallas_kernels.tile_math import kernel_arith, load_even_odd
+
+
+# ----------------------------------------------------------------------------- tuning
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantConfig:
+    block_rows: int = 1
+    chunk: int = 1024
+    num_warps: int = 4
+    num_stages: int = 1
+
+
+def quant_config(t: int, k: int) -> QuantConfig:
+    chunk = 1024
+    while k % chunk:
+        chunk //= 2
+    return QuantConfig(block_rows=1 if t < 1024 else 2, chunk=chunk, num_warps=4 if chunk <= 512 else 8)
+
+
+# ----------------------------------------------------------------------------- kernel
+
+
+def _split_blocks(v, rows, chunk):
+    return v.reshape(rows, chunk // 16, 8)
+
+
+def _encode_pair(qe, qo, rows, chunk):
+    lo = nvfp4.encode_e2m1(qe).reshape(rows, chunk // 2)
+    hi = nvfp4.encode_e2m1(qo).reshape(rows, chunk // 2)
+    return lo | (hi << 4)
+
+
+def _quant_kernel(x_ref, gx_ref, *refs, t, k, cfg, n_sel, use_mask, arith, interpret):
+    refs = list(refs)
+    mask_ref = refs.pop(0) if use_mask else None
+    xc_ref, xs_ref = refs[0], refs[1]
+    rac_on = n_sel > 0 or use_mask
+    rc_ref, rs_ref = (refs[2], refs[3]) if rac_on else (None, None)
+    bm, c = cfg.block_rows, cfg.chunk
+    i = pl.program_id(0)
+    row_sl = pl.ds(i * bm, bm)
+    row_ok = (i * bm + jnp.arange(bm) < t)[:, None]
+    gx = plgpu.load(gx_ref.at[row_sl, :], mask=row_ok, other=1.0)  # [bm, 1]
+    g3 = gx[:, :, None]
+    pending = []
+    for j in range(k // c):
+        xe, xo = load_even_odd(x_ref, row_sl, j * c, c, row_ok, interpret, other=0.0)
+        xe = _split_blocks(xe.astype(jnp.float32), bm, c)
+        xo = _split_blocks(xo.astype(jnp.float32), bm, c)
+        amax = jnp.maximum(jnp.abs(xe).max(-1), jnp.abs(xo).max(-1))
+        qe, s = nvfp4.quantize_blocks(xe, amax, gx, arith=arith)
+        qo, _ = nvfp4.quantize_blocks(xo, amax, gx, arith=arith)
+        plgpu.store(xc_ref.at[row_sl, pl.ds(j * c // 2, c // 2)], _encode_pair(qe, qo, bm, c).astype(jnp.uint8), mask=row_ok)
+        plgpu.store(xs_ref.at[row_sl, pl.ds(j * c // 16, c // 16)], nvfp4.encode_e4m3_bits(s).astype(jnp.uint8), mask=row_ok)
+        if rac_on:
+            s3 = s[:, :, None]
+            re = xe - arith.mul(qe * s3, g3)
+            ro = xo - arith.mul(qo * s3, g3)
+            energy = jnp.sum(re * re, -1) + jnp.sum(ro * ro, -1)
+            pending.append((re, ro, energy))
+    if not rac_on:
+        return
+    if use_mask:
+        tau = None
+    else:
+        ebits = [jax.lax.bitcast_convert_type(e, jnp.int32) for _, _, e in pending]
+
+        def count_ge(th):
+            tot = jnp.zeros((bm, 1), jnp.int32)
+            for eb in ebits:
+                tot += jnp.sum((eb >= th).astype(jnp.int32), axis=1, keepdims=True)
+            return tot
+
+        def step(_, lohi):
+            lo, hi = lohi
+            mid = lo + ((hi - lo) >> 1)
+            ok = count_ge(mid) >= n_sel
+            return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+
+        lo0 = jnp.zeros((bm, 1), jnp.int32)
+        hi0 = jnp.full((bm, 1), 0x7F800001, jnp.int32)
+        tau, _ = jax.lax.fori_loop(0, 31, step, (lo0, hi0))
+    gr = gx * rac.RESIDUAL_SCALE_FACTOR
+    for j, (re, ro, energy) in enumerate(pending):
+        if use_mask:
+            me, mo = load_even_odd(mask_ref, row_sl, j * c, c, row_ok, interpret)
+            me = _split_blocks(me, bm, c) != 0
+            mo = _split_blocks(mo, bm, c) != 0
+        else:
+            sel = (jax.lax.bitcast_convert_type(energy, jnp.int32) >= tau)[:, :, None]
+            me = mo = sel
+        re = jnp.where(me, re, 0.0)
+        ro = jnp.where(mo, ro, 0.0)
+        amax = jnp.maximum(jnp.abs(re).max(-1), jnp.abs(ro).max(-1))
+        qe, s = nvfp4.quantize_blocks(re, amax, gr, arith=arith)
+        qo, _ = nvfp4.quantize_blocks(ro, amax, gr, arith=arith)
+        plgpu.store(rc_ref.at[row_sl, pl.ds(j * c // 2, c // 2)], _encode_pair(qe, qo, bm, c).astype(jnp.uint8), mask=row_ok)
+        plgpu.store(rs_ref.at[row_sl, pl.ds(j * c // 16, c // 16)], nvfp4.encode_e4m3_bits(s).astype(jnp.uint8), mask=row_ok)
+
+
+@functools.partial(jax.jit, static_argnames=("n_sel", "use_mask", "cfg", "interpret"))
+def _quant_call(x, gx, mask, *, n_sel, use_mask, cfg, interpret):
+    t, k = x.shape
+    rac_on = n_sel > 0 or use_mask
+    out_shape = [jax.ShapeDtypeStruct((t, k // 2), jnp.uint8), jax.ShapeDtypeStruct((t, k // 16), jnp.uint8)]
+    if rac_on:
+        out_shape = out_shape * 2
+    kernel = functools.partial(
+        _quant_kernel, t=t, k=k, cfg=cfg, n_sel=n_sel, use_mask=use_mask, arith=kernel_arith(interpret), interpret=interpret
+    )
+    args = (x, gx) + ((mask,) if use_mask else ())
+    return pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=(pl.cdiv(t, cfg.block_rows),),
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        interpret=interpret,
+        name="nvfp4_quantize_activations",
+    )(*args)
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+def _check_x(x, name="x"):
+    if not hasattr(x, "ndim") or x.ndim != 2:
+        raise ValueError(f"{name}: expected a 2-D array [T, K], got shape {getattr(x, 'shape', None)}")
+    if x.dtype not in (jnp.bfloat16, jnp.float32, jnp.float16):
+        raise ValueError(f"{name}: expected bfloat16, float16 or float32, got {x.dtype}")
+    if x.shape[1] % 16:
+        raise ValueError(f"{name}: K={x.shape[1]} must be a multiple of 16 (NVFP4 blocks)")
+
+
+def _tensor(codes, scales, gs, shape):
+    return nvfp4.NVFP4Tensor(
+        codes=codes, scales=jax.lax.bitcast_convert_type(scales, jnp.float8_e4m3fn), global_scale=gs, shape=shape, axis=1
+    )
+
+
+def quantize_activations_rac(x, *, rac_ratio: float = 0.0, rac_mode: str = "token", act_scale: str = "tensor", backend=None, config: QuantConfig | None = None):
+    """x [T, K] -> (q(x), q(r_sel) or None): NVFP4 activations and the RAC residual tensor.
+
+    Both carry global scales of shape [T, 1]. ``backend`` picks the Pallas kernel or the
+    XLA reference (same numbers)."""
+    _check_x(x)
+    rac.check_rac(rac_ratio, rac_mode)
+    gx = rac.activation_global_scale(x, act_scale)
+    t, k = x.shape
+    n_sel = rac.num_selected(rac_ratio, k // 16)
+    if _backend.resolve(backend) == "xla":
+        xq = nvfp4.quantize(x.astype(jnp.float32), global_scale=gx)
+        rq = rac.quantize_residual(x, gx, rac_ratio, rac_mode) if rac_ratio > 0 else None
+        return xq, rq
+    cfg = config or quant_config(t, k)
+    use_mask = rac_ratio > 0 and rac_mode != "token"
+    mask = None
+    if use_mask:
+        mask = rac.selection_mask(rac.residual(x, gx), rac_ratio, rac_mode).astype(jnp.int8)
+    outs = _quant_call(x, gx, mask, n_sel=n_sel if rac_ratio > 0 else 0, use_mask=use_mask, cfg=cfg, interpret=_backend.interpret_mode())
+    xq = _tensor(outs[0], outs[1], gx, (t, k))
+    rq = _tensor(outs[2], outs[3], rac.residual_global_scale(gx), (t, k)) if len(outs) == 4 else None
+    return xq, rq
+
+
+def quantize_activations(x, *, act_scale: str = "tensor", backend=None, config: QuantConfig | None = None) -> nvfp4.NVFP4Tensor:
+    """x [T, K] -> NVFP4Tensor (global scale [T, 1]), identical to ``nvfp4.quantize``."""
+    return quantize_activations_rac(x, act_scale=act_scale, backend=backend, config=config)[0]
