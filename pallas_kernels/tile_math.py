@@ -1,9 +1,9 @@
 """Arithmetic shared by the kernels: the float32 division and opacity they use.
 
-On the GPU, Triton lowers ``/`` on float32 to the approximate ``div.full.f32``; the NVFP4
-recipe needs IEEE division to give the same codes as the reference, so kernels divide with
-PTX ``div.rn.f32``. In interpret mode the kernel body is run by XLA, which needs the
-reference's guards instead (``nvfp4.XLA_ARITH``).
+Divisions use ``nvfp4.ieee_div`` (integer long division) in the kernels and in the
+reference alike. Triton contracts ``x - a * b`` into an FMA, so the RAC residual's product
+is a PTX ``mul.rn.f32``; in interpret mode the kernel body is run by XLA, which needs the
+reference's optimization barriers instead (``nvfp4.XLA_ARITH``).
 """
 
 from __future__ import annotations
@@ -14,18 +14,6 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from quads_jax import nvfp4
-
-
-def _div_rn(a, b):
-    a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
-    [out] = plgpu.elementwise_inline_asm(
-        "div.rn.f32 $0, $1, $2;",
-        args=[a, b],
-        constraints="=r,r,r",
-        pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)],
-    )
-    return out
 
 
 def _mul_rn(a, b):
@@ -40,7 +28,7 @@ def _mul_rn(a, b):
     return out
 
 
-TRITON_ARITH = nvfp4.Arith(div=_div_rn, opaque=lambda x: x, mul=_mul_rn)
+TRITON_ARITH = nvfp4.Arith(div=nvfp4.ieee_div, opaque=lambda x: x, mul=_mul_rn)
 
 
 def load_even_odd(ref, rows, start, width, mask, interpret, other=0):

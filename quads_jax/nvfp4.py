@@ -54,6 +54,45 @@ E2M1_VALUES = np.array(
 # ----------------------------------------------------------------------------- grids
 
 
+def _mantissa_exponent(v):
+    bits = jax.lax.bitcast_convert_type(v, jnp.int32)
+    return (bits & 0x7FFFFF) | 0x800000, ((bits >> 23) & 0xFF) - 127
+
+
+def ieee_div(a, b):
+    """Correctly rounded float32 ``a / b`` for a >= 0 and b > 0, by integer long division.
+
+    XLA on the GPU and Triton both divide float32 approximately (off by an ulp now and
+    then), and XLA on the CPU rewrites divisions by broadcast scalars into reciprocal
+    multiplies. The NVFP4 recipe's three divisions decide codes at rounding boundaries, so
+    they are done here in int32 arithmetic, identical on every backend and in kernels:
+    25 shift-subtract steps give 24 quotient bits and a round bit, then round half to even.
+    Zero numerators give 0; results outside the normal float32 range, subnormal or
+    non-finite operands fall back to the hardware division (never hit by the recipe,
+    whose quotients lie in [2**-9, 2**30]).
+    """
+    a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
+    ma, ea = _mantissa_exponent(a)
+    mb, eb = _mantissa_exponent(b)
+    shift = ma < mb
+    rem = jnp.where(shift, ma << 1, ma)
+    e = ea - eb - shift.astype(jnp.int32)
+    q = jnp.zeros_like(ma)
+    for _ in range(25):
+        ge = rem >= mb
+        q = (q << 1) | ge.astype(jnp.int32)
+        rem = (jnp.where(ge, rem - mb, rem)) << 1
+    mant, rbit = q >> 1, q & 1
+    up = (rbit == 1) & ((rem != 0) | ((mant & 1) == 1))
+    mant = mant + up.astype(jnp.int32)
+    carry = mant >> 24
+    mant, e = jnp.where(carry == 1, mant >> 1, mant), e + carry
+    exact = jax.lax.bitcast_convert_type(((e + 127) << 23) | (mant & 0x7FFFFF), jnp.float32)
+    fine = (ea > -127) & (ea < 128) & (eb > -127) & (eb < 128) & (e > -126) & (e < 128)
+    out = jnp.where(fine, exact, a / b)
+    return jnp.where(a == 0, jnp.zeros_like(a), out)
+
+
 def true_div(a, b):
     """``a / b`` rounded as one IEEE division per element.
 
@@ -74,13 +113,12 @@ _RNE_MAGIC = 2.0**23  # (q + 2**23) - 2**23 rounds 0 <= q < 2**22 to an integer,
 class Arith:
     """The two float32 operations whose rounding XLA and Triton would otherwise change.
 
-    div:    an IEEE (round-to-nearest) division of same-shape or broadcastable arrays.
+    div:    a correctly rounded division (``ieee_div`` everywhere, so all backends agree).
     opaque: hides a value from the optimizer so ``(q + C) - C`` is not folded to ``q``.
     mul:    a product rounded on its own, never contracted into an FMA with a later add
             (the RAC residual ``x - dq`` must round the same way everywhere).
-    XLA gets ``true_div`` and optimization barriers; Pallas-Triton kernels pass PTX
-    ``div.rn.f32`` (Triton's ``/`` is the approximate ``div.full.f32``), the identity and
-    ``mul.rn.f32``.
+    XLA gets optimization barriers; Pallas-Triton kernels pass the identity and PTX
+    ``mul.rn.f32`` (Triton contracts multiply-adds into FMAs).
     """
 
     div: Callable
@@ -89,7 +127,7 @@ class Arith:
 
 
 XLA_ARITH = Arith(
-    div=lambda a, b: true_div(a, b),
+    div=ieee_div,
     opaque=jax.lax.optimization_barrier,
     mul=lambda a, b: jax.lax.optimization_barrier(a * b),
 )
@@ -280,7 +318,7 @@ def global_scale_for(x, *, keep_axes: Sequence[int] = (), scale_max: float = E4M
     keep = {_normalize_axis(a, x.ndim, "keep_axes") for a in keep_axes}
     red = tuple(i for i in range(x.ndim) if i not in keep)
     amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=red, keepdims=bool(keep))
-    gs = true_div(amax, E2M1_MAX * scale_max)
+    gs = ieee_div(amax, E2M1_MAX * scale_max)
     return jnp.where(gs == 0, jnp.float32(1.0), gs)
 
 
