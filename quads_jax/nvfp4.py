@@ -77,11 +77,14 @@ def ieee_div(a, b):
     shift = ma < mb
     rem = jnp.where(shift, ma << 1, ma)
     e = ea - eb - shift.astype(jnp.int32)
-    q = jnp.zeros_like(ma)
-    for _ in range(25):
+    def step(_, carry):
+        q, rem = carry
         ge = rem >= mb
-        q = (q << 1) | ge.astype(jnp.int32)
-        rem = (jnp.where(ge, rem - mb, rem)) << 1
+        return (q << 1) | ge.astype(jnp.int32), jnp.where(ge, rem - mb, rem) << 1
+
+    # A loop, not 25 unrolled steps: XLA's fusion of the unrolled chain duplicates it
+    # into every consumer and compiles for minutes.
+    q, rem = jax.lax.fori_loop(0, 25, step, (jnp.zeros_like(ma), rem))
     mant, rbit = q >> 1, q & 1
     up = (rbit == 1) & ((rem != 0) | ((mant & 1) == 1))
     mant = mant + up.astype(jnp.int32)
