@@ -276,7 +276,7 @@ finite_f32 = st.one_of(
 )
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=25, deadline=None)
 @given(hnp.arrays(np.float32, st.tuples(st.integers(1, 4), st.sampled_from([16, 32, 64])), elements=finite_f32))
 def test_property_error_bound_and_exactness(x):
     t = F.quantize(x)

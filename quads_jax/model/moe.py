@@ -1,0 +1,122 @@
+"""The MoE layer: softmax top-k router, dropless sorted dispatch, grouped SwiGLU experts.
+
+Dispatch: the T*k (token, expert) assignments are sorted by expert, the rows gathered,
+one grouped matmul per expert weight runs over the contiguous groups (``group_sizes``),
+and the outputs are weighted and scattered back. No token is dropped, no Python loop
+over experts. The same ``moe_ffn`` runs inside the expert-parallel ``shard_map`` of
+``quads_jax.sharding`` on each device's local experts.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from quads_jax import precision as P
+from quads_jax.model.config import ModelConfig
+from quads_jax.model.layers import MLP, Linear, param, value
+
+
+def route(logits, k: int, normalize: bool, forced=None):
+    """Softmax router in float32: (probs [N, E], top-k ids [N, k], weights [N, k]).
+
+    ``forced`` [N, k] replays given experts (routing replay); weights are their probs."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    if forced is None:
+        w, ids = jax.lax.top_k(probs, k)
+    else:
+        ids = forced.astype(jnp.int32)
+        w = jnp.take_along_axis(probs, ids, axis=-1)
+    if normalize:
+        w = w / jnp.sum(w, axis=-1, keepdims=True)
+    return probs, ids, w
+
+
+def load_balance_loss(probs, ids, n_experts: int, mask=None):
+    """Switch-style auxiliary loss E * sum_e f_e * P_e, with f_e the fraction of the
+    top-k assignments that go to expert e and P_e the mean router probability."""
+    m = jnp.ones(probs.shape[:1], jnp.float32) if mask is None else mask.astype(jnp.float32)
+    onehot = jax.nn.one_hot(ids, n_experts, dtype=jnp.float32).sum(1)  # [N, E]
+    denom = jnp.maximum(m.sum(), 1.0)
+    f = (onehot * m[:, None]).sum(0) / (denom * ids.shape[-1])
+    p = (probs * m[:, None]).sum(0) / denom
+    return n_experts * jnp.sum(f * p)
+
+
+def z_loss(logits, mask=None):
+    z = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1) ** 2
+    if mask is None:
+        return jnp.mean(z)
+    m = mask.astype(jnp.float32)
+    return jnp.sum(z * m) / jnp.maximum(m.sum(), 1.0)
+
+
+def sort_by_expert(ids, n_experts: int):
+    """For flat assignments ids [N, k]: (order [N*k], token of each sorted row, group_sizes [E])."""
+    flat = ids.reshape(-1)
+    order = jnp.argsort(flat, stable=True)
+    token = order // ids.shape[-1]
+    group_sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)
+    return order, token, group_sizes
+
+
+def expert_ffn(xs, w_gate, w_up, w_down, group_sizes, prec: P.Precision, dtype):
+    """SwiGLU over rows sorted by expert, through the grouped-matmul dispatch."""
+    mode = prec.mode("experts")
+    gl = lambda a, w: P.grouped_linear(a, w, group_sizes, mode, dtype=dtype, rac_ratio=prec.rac_ratio, backend=prec.backend)
+    h = jax.nn.silu(gl(xs, w_gate).astype(jnp.float32)) * gl(xs, w_up).astype(jnp.float32)
+    return gl(h.astype(dtype), w_down)
+
+
+def moe_ffn(x, ids, weights, w_gate, w_up, w_down, prec, dtype):
+    """Dropless MoE FFN for tokens x [N, d] with top-k ids/weights [N, k]."""
+    n_experts = w_gate.shape[0]
+    order, token, group_sizes = sort_by_expert(ids, n_experts)
+    ys = expert_ffn(x[token], w_gate, w_up, w_down, group_sizes, prec, dtype)
+    ws = weights.reshape(-1)[order]
+    out = jnp.zeros((x.shape[0], ys.shape[-1]), jnp.float32).at[token].add(ys.astype(jnp.float32) * ws[:, None])
+    return out.astype(dtype)
+
+
+class MoE(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        d, f, e = cfg.d_model, cfg.expert_ffn, cfg.n_experts
+        pd = cfg.pdtype
+        self.cfg = cfg
+        self.router = Linear(d, e, "router", ("expert_router", "embed"), rngs=rngs, dtype=pd)
+        self.w_gate = param(rngs, (e, f, d), ("expert", "mlp", "embed"), dtype=pd)
+        self.w_up = param(rngs, (e, f, d), ("expert", "mlp", "embed"), dtype=pd)
+        self.w_down = param(rngs, (e, d, f), ("expert", "embed", "mlp"), dtype=pd, scale=(f * 2 * cfg.n_layers) ** -0.5)
+        if cfg.shared_expert_ffn:
+            self.shared = MLP(d, cfg.shared_expert_ffn, "shared", cfg, rngs=rngs)
+            self.shared_gate = Linear(d, 1, "router", ("norm", "embed"), rngs=rngs, dtype=pd)
+        else:
+            self.shared = None
+            self.shared_gate = None
+
+    def __call__(self, x, prec: P.Precision, mask=None, forced=None, expert_fn=None):
+        """x [B, T, d] -> (y, aux) where aux has the router logits, chosen experts and losses.
+
+        ``expert_fn(x_flat, ids, weights, w_gate, w_up, w_down, prec, dtype)`` replaces the
+        local dropless FFN (the expert-parallel shard_map plugs in here)."""
+        cfg = self.cfg
+        b, t, d = x.shape
+        dt = cfg.dtype
+        xf = x.reshape(b * t, d)
+        logits = self.router(xf, prec, jnp.float32)
+        fflat = None if forced is None else forced.reshape(b * t, -1)
+        probs, ids, w = route(logits, cfg.experts_per_token, cfg.norm_topk_prob, fflat)
+        fn = expert_fn or moe_ffn
+        y = fn(xf, ids, w, value(self.w_gate), value(self.w_up), value(self.w_down), prec, dt)
+        if self.shared is not None:
+            gate = jax.nn.sigmoid(self.shared_gate(xf, prec, jnp.float32))
+            y = (y.astype(jnp.float32) + gate * self.shared(xf, prec, dt).astype(jnp.float32)).astype(dt)
+        m = None if mask is None else mask.reshape(-1)
+        aux = {
+            "router_logits": logits.reshape(b, t, -1),
+            "experts": ids.reshape(b, t, -1),
+            "aux_loss": load_balance_loss(probs, ids, cfg.n_experts, m),
+            "z_loss": z_loss(logits, m),
+        }
+        return y.reshape(b, t, d), aux

@@ -1,0 +1,156 @@
+"""The Qwen3-MoE decoder: embeddings, blocks (attention + MoE or dense MLP), final norm, head.
+
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    logits = model(tokens)                                   # [B, T, vocab]
+    logits, aux, cache = model.forward(tokens, mask=mask, cache=cache, precision=prec)
+
+``precision`` defaults to ``model.precision`` (BF16 unless set); the trainer passes its QAT
+policy, the rollout engine its recipe over weights prepared by ``prepare_for_rollout``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from quads_jax import precision as P
+from quads_jax.model.config import ModelConfig
+from quads_jax.model.layers import MLP, Attention, Linear, RMSNorm, init_kv_cache, param, value
+from quads_jax.model.moe import MoE
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, index: int, *, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.rms_eps, rngs=rngs)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.rms_eps, rngs=rngs)
+        self.is_moe = cfg.is_moe_layer(index)
+        if self.is_moe:
+            self.moe = MoE(cfg, rngs=rngs)
+            self.mlp = None
+        else:
+            self.moe = None
+            self.mlp = MLP(cfg.d_model, cfg.dense_ffn, "dense", cfg, rngs=rngs)
+
+    def __call__(self, x, positions, key_valid, prec, *, mask=None, cache=None, forced=None, expert_fn=None):
+        h, cache = self.attn(self.attn_norm(x), positions, key_valid, prec, cache)
+        x = x + h
+        y = self.mlp_norm(x)
+        if self.is_moe:
+            y, aux = self.moe(y, prec, mask=mask, forced=forced, expert_fn=expert_fn)
+        else:
+            y, aux = self.mlp(y, prec, x.dtype), None
+        return x + y, cache, aux
+
+
+class Transformer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs, precision: P.Precision | None = None):
+        self.cfg = cfg
+        self.precision = precision or P.Precision()
+        self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), scale=1.0, dtype=cfg.pdtype)
+        self.layers = nnx.List([Block(cfg, i, rngs=rngs) for i in range(cfg.n_layers)])
+        self.final_norm = RMSNorm(cfg.d_model, cfg.rms_eps, rngs=rngs)
+        if cfg.tie_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = Linear(cfg.d_model, cfg.vocab_size, "lm_head", ("vocab", "embed"), rngs=rngs, dtype=cfg.pdtype)
+
+    def __call__(self, tokens, **kw):
+        return self.forward(tokens, **kw)[0]
+
+    def init_cache(self, batch: int, max_len: int | None = None):
+        return init_kv_cache(self.cfg, batch, max_len)
+
+    def forward(self, tokens, *, mask=None, positions=None, cache=None, precision=None, forced_experts=None, expert_fn=None):
+        """tokens [B, T] -> (logits [B, T, V] float32, aux, cache).
+
+        mask [B, T]: 1 for real tokens (padding keys are never attended to).
+        cache: from ``init_cache``; the T new tokens are written after each row's
+        ``lengths`` (``mask`` gives how many of them are real) and attention covers the cache.
+        aux: ``aux_loss`` and ``z_loss`` (summed over MoE layers) and, per MoE layer,
+        ``experts`` [B, T, k] and ``router_logits``; ``forced_experts`` [L_moe, B, T, k]
+        replays a routing."""
+        cfg = self.cfg
+        prec = precision or self.precision
+        b, t = tokens.shape
+        if mask is None:
+            mask = jnp.ones((b, t), bool)
+        mask = mask.astype(bool)
+        if cache is not None:
+            start = cache["lengths"]
+            n_new = mask.sum(1).astype(jnp.int32)
+            if positions is None:
+                positions = start[:, None] + jnp.arange(t)[None, :]
+            s = cache["layers"][0]["k"].shape[1]
+            key_valid = jnp.arange(s)[None, :] < (start + n_new)[:, None]
+        else:
+            if positions is None:
+                positions = jnp.broadcast_to(jnp.arange(t)[None, :], (b, t))
+            key_valid = mask
+        x = jnp.take(value(self.embed), tokens, axis=0).astype(cfg.dtype)
+        new_layers, experts, logits_r = [], [], []
+        aux_loss = jnp.float32(0.0)
+        zl = jnp.float32(0.0)
+        mi = 0
+        for i, block in enumerate(self.layers):
+            lc = None if cache is None else dict(cache["layers"][i], start=cache["lengths"])
+            forced = None
+            if block.is_moe and forced_experts is not None:
+                forced = forced_experts[mi]
+            x, lc, aux = block(x, positions, key_valid, prec, mask=mask, cache=lc, forced=forced, expert_fn=expert_fn)
+            if cache is not None:
+                new_layers.append(lc)
+            if aux is not None:
+                mi += 1
+                experts.append(aux["experts"])
+                logits_r.append(aux["router_logits"])
+                aux_loss = aux_loss + aux["aux_loss"]
+                zl = zl + aux["z_loss"]
+        x = self.final_norm(x)
+        if self.lm_head is None:
+            logits = P.linear(x, value(self.embed), prec.mode("lm_head"), dtype=jnp.float32)
+        else:
+            logits = self.lm_head(x, prec, jnp.float32)
+        new_cache = None
+        if cache is not None:
+            new_cache = {"layers": new_layers, "lengths": cache["lengths"] + mask.sum(1).astype(jnp.int32)}
+        aux = {"aux_loss": aux_loss, "z_loss": zl,
+               "experts": jnp.stack(experts) if experts else None,
+               "router_logits": logits_r}
+        return logits.astype(jnp.float32), aux, new_cache
+
+
+def token_logprobs(model: Transformer, tokens, mask=None, *, precision=None, forced_experts=None, return_aux=False):
+    """log p(tokens[:, t] | tokens[:, :t]) in float32, shape [B, T] (position 0 gets 0).
+
+    ``mask`` [B, T] marks real tokens; positions outside it get 0."""
+    logits, aux, _ = model.forward(tokens, mask=mask, precision=precision, forced_experts=forced_experts)
+    lp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
+    tok = jnp.take_along_axis(lp, tokens[:, 1:, None], axis=-1)[..., 0]
+    out = jnp.concatenate([jnp.zeros_like(tok[:, :1]), tok], axis=1)
+    if mask is not None:
+        out = jnp.where(mask.astype(bool), out, 0.0)
+    return (out, aux) if return_aux else out
+
+
+def _linear_modules(model: nnx.Module):
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, Linear):
+            yield path, node
+
+
+def prepare_for_rollout(model: Transformer, recipe: P.Precision) -> Transformer:
+    """A copy of ``model`` whose weights are converted once for ``recipe`` (NVFP4 / FP8
+    tensors for the quantized kinds) and whose default precision is ``recipe``."""
+    m = nnx.clone(model)
+    for _, lin in _linear_modules(m):
+        lin.w.set_value(P.prepare_weight(value(lin.w), recipe.mode(lin.kind)))
+    for _, node in nnx.iter_graph(m):
+        if isinstance(node, MoE):
+            mode = recipe.mode("experts")
+            for name in ("w_gate", "w_up", "w_down"):
+                p = getattr(node, name)
+                p.set_value(P.prepare_weight(value(p), mode))
+    m.precision = recipe
+    return m

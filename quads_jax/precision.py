@@ -1,0 +1,183 @@
+"""Precision policies: which quantizer each kind of linear layer gets, trainer and rollout side.
+
+Kinds of linear: ``attn`` (q/k/v/o), ``experts`` (routed experts), ``shared`` (shared
+experts), ``dense`` (MLP of dense layers), ``router``, ``lm_head``. Embeddings and norms
+always stay in the compute dtype / float32.
+
+Modes, acting on float (master) weights, used by the trainer:
+
+    bf16      plain matmul in the compute dtype
+    fp8       FP8 E4M3 fake-quant of weights (per output channel) and activations (per token)
+    nvfp4_w   QUADS asymmetric QAT: NVFP4 weight fake-quant with a straight-through
+              gradient, activations untouched
+    nvfp4_wa  symmetric W4A4 fake-quant (weights and per-token activations): the ablation
+
+Modes acting on weights prepared once by ``prepare_weight`` (the rollout engine):
+
+    w4a4      NVFP4 weights and activations through ``pallas_kernels.nvfp4_matmul``;
+              with ``rac_ratio > 0`` the residual activation compensation of QUADS
+    w4a16     NVFP4 weights, BF16 activations
+    fp8       real FP8 weights and activations through the FP8 dot
+
+The trainer's ``nvfp4_w`` and the rollout's ``w4a4`` quantize weights through the same
+``nvfp4.quantize`` call (``weight_quant_kwargs``), so the weight error is identical on
+both sides. Activations in the rollout use per-token global scales so that a sequence's
+numbers do not depend on what it is batched with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+import pallas_kernels as pk
+from quads_jax import fp8, nvfp4
+
+KINDS = ("attn", "experts", "shared", "dense", "router", "lm_head")
+TRAIN_MODES = ("bf16", "fp8", "nvfp4_w", "nvfp4_wa")
+ROLLOUT_MODES = ("bf16", "fp8", "w4a4", "w4a16")
+
+
+@dataclasses.dataclass(frozen=True)
+class Precision:
+    """A mode per kind of linear plus the RAC ratio and kernel backend of the rollout."""
+
+    attn: str = "bf16"
+    experts: str = "bf16"
+    shared: str = "bf16"
+    dense: str = "bf16"
+    router: str = "bf16"
+    lm_head: str = "bf16"
+    rac_ratio: float = 0.0
+    backend: str | None = None  # None: the process default of pallas_kernels
+
+    def __post_init__(self):
+        for k in KINDS:
+            m = getattr(self, k)
+            if m not in TRAIN_MODES + ROLLOUT_MODES:
+                raise ValueError(f"precision.{k}={m!r}: expected one of {sorted(set(TRAIN_MODES + ROLLOUT_MODES))}")
+        if not 0.0 <= float(self.rac_ratio) <= 1.0:
+            raise ValueError(f"precision.rac_ratio={self.rac_ratio!r}: expected a number in [0, 1]")
+
+    def mode(self, kind: str) -> str:
+        if kind not in KINDS:
+            raise ValueError(f"kind={kind!r}: expected one of {KINDS}")
+        return getattr(self, kind)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> "Precision":
+        d = dict(d or {})
+        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"precision: unknown keys {sorted(unknown)}; expected some of {[f.name for f in dataclasses.fields(cls)]}")
+        return cls(**d)
+
+
+_QUANTIZED = ("attn", "experts", "shared", "dense")
+
+# Trainer policies (float weights) and rollout recipes (prepared weights), by name.
+TRAIN_POLICIES = {
+    "bf16": Precision(),
+    "fp8": Precision(**{k: "fp8" for k in _QUANTIZED}),
+    "nvfp4_w": Precision(**{k: "nvfp4_w" for k in _QUANTIZED}),
+    "nvfp4_wa": Precision(**{k: "nvfp4_wa" for k in _QUANTIZED}),
+}
+ROLLOUT_RECIPES = {
+    "bf16": Precision(),
+    "fp8": Precision(**{k: "fp8" for k in _QUANTIZED}),
+    "nvfp4": Precision(**{k: "w4a4" for k in _QUANTIZED}),
+    "quads": Precision(**{k: "w4a4" for k in _QUANTIZED}, rac_ratio=0.5),
+    "w4a16": Precision(**{k: "w4a16" for k in _QUANTIZED}),
+}
+
+
+def train_policy(name: str) -> Precision:
+    if name not in TRAIN_POLICIES:
+        raise ValueError(f"trainer precision {name!r}: expected one of {sorted(TRAIN_POLICIES)}")
+    return TRAIN_POLICIES[name]
+
+
+def rollout_recipe(name: str, rac_ratio: float | None = None) -> Precision:
+    if name not in ROLLOUT_RECIPES:
+        raise ValueError(f"rollout recipe {name!r}: expected one of {sorted(ROLLOUT_RECIPES)}")
+    p = ROLLOUT_RECIPES[name]
+    return p if rac_ratio is None else dataclasses.replace(p, rac_ratio=float(rac_ratio))
+
+
+# ----------------------------------------------------------------------------- weights
+
+
+def weight_quant_kwargs(ndim: int) -> dict:
+    """The one NVFP4 weight quantization of the project: along the input (last) axis,
+    with a separate global scale per expert for stacked [E, N, K] expert weights."""
+    return dict(axis=-1, keep_axes=(0,) if ndim == 3 else ())
+
+
+def quantize_weight(w) -> nvfp4.NVFP4Tensor:
+    return nvfp4.quantize(w, **weight_quant_kwargs(w.ndim))
+
+
+def fake_quant_weight(w):
+    return nvfp4.fake_quant(w, **weight_quant_kwargs(w.ndim))
+
+
+def prepare_weight(w, mode: str):
+    """Convert a float weight once for the rollout mode (``w4a4``/``w4a16`` -> NVFP4Tensor,
+    ``fp8`` -> FP8Tensor per output channel, else unchanged)."""
+    if mode in ("w4a4", "w4a16"):
+        return quantize_weight(jnp.asarray(w, jnp.float32))
+    if mode == "fp8":
+        return fp8.quantize(jnp.asarray(w, jnp.float32), axis=-1)
+    return w
+
+
+def _act_fq(x):
+    return nvfp4.fake_quant(x, axis=-1, keep_axes=tuple(range(x.ndim - 1)))
+
+
+def _float_operands(x, w, mode: str):
+    if mode == "fp8":
+        return fp8.fake_quant(x, axis=-1), fp8.fake_quant(w, axis=-1)
+    if mode == "nvfp4_w":
+        return x, fake_quant_weight(w)
+    if mode == "nvfp4_wa":
+        return _act_fq(x), fake_quant_weight(w)
+    if mode in ("bf16", "w4a4", "w4a16"):  # rollout modes on an unprepared weight: plain
+        return x, w
+    raise ValueError(f"mode={mode!r}: expected one of {TRAIN_MODES + ROLLOUT_MODES}")
+
+
+# ----------------------------------------------------------------------------- linears
+
+
+def linear(x, w, mode: str, *, dtype=jnp.bfloat16, rac_ratio: float = 0.0, backend=None):
+    """``x @ W.T`` for x [..., K] and W [N, K] (float, NVFP4Tensor or FP8Tensor)."""
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if isinstance(w, nvfp4.NVFP4Tensor):
+        y = pk.nvfp4_matmul(x2.astype(jnp.bfloat16), w, rac_ratio=rac_ratio if mode == "w4a4" else 0.0,
+                            act_scale="token", mode="w4a16" if mode == "w4a16" else "w4a4", backend=backend,
+                            out_dtype=dtype)
+    elif isinstance(w, fp8.FP8Tensor):
+        y = pk.fp8_matmul(x2.astype(jnp.bfloat16), w, backend=backend, out_dtype=dtype)
+    else:
+        a, b = _float_operands(x2.astype(dtype), w, mode)
+        y = jax.lax.dot_general(a.astype(dtype), b.astype(dtype), (((1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32).astype(dtype)
+    return y.reshape(*lead, y.shape[-1])
+
+
+def grouped_linear(x, w, group_sizes, mode: str, *, dtype=jnp.bfloat16, rac_ratio: float = 0.0, backend=None):
+    """Per-expert ``x_e @ W_e.T`` for rows of x [M, K] sorted by expert and W [E, N, K]."""
+    if isinstance(w, nvfp4.NVFP4Tensor):
+        return pk.nvfp4_grouped_matmul(x.astype(jnp.bfloat16), w, group_sizes,
+                                       rac_ratio=rac_ratio if mode == "w4a4" else 0.0, act_scale="token",
+                                       mode="w4a16" if mode == "w4a16" else "w4a4", backend=backend, out_dtype=dtype)
+    if isinstance(w, fp8.FP8Tensor):
+        return pk.fp8_grouped_matmul(x.astype(jnp.bfloat16), w, group_sizes, backend=backend, out_dtype=dtype)
+    a, b = _float_operands(x.astype(dtype), w, mode)
+    return jax.lax.ragged_dot(a.astype(dtype), jnp.swapaxes(b.astype(dtype), 1, 2), group_sizes,
+                              preferred_element_type=jnp.float32).astype(dtype)
