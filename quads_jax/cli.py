@@ -1,0 +1,170 @@
+"""The ``quads`` command: thin wrappers that parse a config and call the library.
+
+    quads train --config configs/tiny_cpu.yaml --out runs/tiny     # SFT warm start + GRPO (the main job)
+    quads sft   --config configs/tiny_cpu.yaml --out runs/base
+    quads gap   --config configs/tiny_cpu.yaml --out runs/gap        # log-prob gap of every recipe
+    quads compare --config configs/tiny_cpu.yaml --out runs/cmp --recipes bf16,nvfp4_naive,quads
+    quads plot  runs/a runs/b --out runs/compare.png
+    quads demo                                                       # NVFP4 error table
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def _overrides(pairs):
+    out = {}
+    for p in pairs or []:
+        if "=" not in p:
+            raise SystemExit(f"--set {p!r}: expected KEY=VALUE, e.g. rl.recipe=bf16")
+        k, v = p.split("=", 1)
+        import yaml
+        out[k] = yaml.safe_load(v)
+    return out
+
+
+def _table(rows: list[dict], cols: list[str]) -> str:
+    fmt = lambda v: f"{v:.4g}" if isinstance(v, float) else str(v)
+    head = "| " + " | ".join(cols) + " |\n|" + "---|" * len(cols) + "\n"
+    return head + "".join("| " + " | ".join(fmt(r.get(c, "")) for c in cols) + " |\n" for r in rows)
+
+
+def _base_policy(cfg, out_dir):
+    """SFT warm start, cached in OUT/base (a rerun reuses it)."""
+    from quads_jax.rl import loop
+    from quads_jax.train.checkpoint import Checkpointer
+    from quads_jax.train.state import split_params
+    from quads_jax.model import Transformer
+    from quads_jax.rl.tokenizer import CharTokenizer
+    from flax import nnx
+
+    base = os.path.join(out_dir, "base")
+    mcfg = cfg.model.replace(vocab_size=max(cfg.model.vocab_size, CharTokenizer().vocab_size))
+    graphdef, like, _ = split_params(nnx.eval_shape(lambda: Transformer(mcfg, rngs=nnx.Rngs(0))))
+    ck = Checkpointer(base, save_every=1, max_to_keep=1, async_save=False)
+    if ck.latest_step() is not None:
+        print(f"[quads] reusing the SFT base policy in {base}")
+        params = ck.restore_params(like)
+    else:
+        graphdef, params, mcfg = loop.run_sft(cfg, out_dir)
+        from quads_jax.train.state import TrainState
+        import jax.numpy as jnp
+        ck.save(TrainState(params=params, opt_state={}, step=jnp.int32(1), skipped=jnp.int32(0),
+                           rng=jnp.zeros((2,), jnp.uint32)), force=True)
+        ck.wait()
+    ck.close()
+    return graphdef, params, mcfg
+
+
+def cmd_train(a):
+    from quads_jax.rl import loop
+    from quads_jax.plot import plot_runs
+
+    cfg = loop.JobConfig.load(a.config, _overrides(a.set))
+    os.makedirs(a.out, exist_ok=True)
+    graphdef, params, mcfg = _base_policy(cfg, a.out)
+    _, hist = loop.run_grpo(cfg, graphdef, params, mcfg, a.out, checkpoint_every=a.checkpoint_every)
+    s = loop.summarize(hist)
+    s["recipe"] = cfg.rl.recipe
+    json.dump(s, open(os.path.join(a.out, "summary.json"), "w"), indent=1)
+    png = plot_runs([a.out], os.path.join(a.out, "curves.png"), labels=[cfg.rl.recipe])
+    print("\n" + _table([s], ["recipe", "steps", "reward_first", "reward_last", "pass_at_1_first", "pass_at_1_last",
+                              "gap_max_peak", "gap_mean_avg", "k3_kl_avg", "tokens_per_s"]))
+    print(f"metrics: {os.path.join(a.out, 'metrics.csv')}\nplot:    {png}")
+
+
+def cmd_sft(a):
+    from quads_jax.rl import loop
+
+    cfg = loop.JobConfig.load(a.config, _overrides(a.set))
+    _base_policy(cfg, a.out)
+    print(f"base policy in {os.path.join(a.out, 'base')}")
+
+
+def cmd_compare(a):
+    from quads_jax.rl import loop
+    from quads_jax.plot import plot_runs
+
+    recipes = a.recipes.split(",")
+    cfg0 = loop.JobConfig.load(a.config, _overrides(a.set))
+    graphdef, params, mcfg = _base_policy(cfg0, a.out)
+    rows, dirs = [], []
+    for r in recipes:
+        cfg = loop.JobConfig.load(a.config, {**_overrides(a.set), "rl.recipe": r})
+        d = os.path.join(a.out, r)
+        _, hist = loop.run_grpo(cfg, graphdef, params, mcfg, d)
+        rows.append({"recipe": r, **loop.summarize(hist)})
+        dirs.append(d)
+    plot_runs(dirs, os.path.join(a.out, "compare.png"), labels=recipes)
+    json.dump(rows, open(os.path.join(a.out, "compare.json"), "w"), indent=1)
+    print(_table(rows, ["recipe", "reward_last", "pass_at_1_first", "pass_at_1_last", "gap_max_peak", "gap_mean_avg", "k3_kl_avg"]))
+
+
+def cmd_gap(a):
+    from quads_jax.rl import gap
+
+    rows = gap.run_gap(a.config, a.out, overrides=_overrides(a.set))
+    print(_table(rows, ["recipe", "rac_ratio", "gap_max", "gap_mean", "k3_kl"]))
+
+
+def cmd_plot(a):
+    from quads_jax.plot import plot_runs
+
+    print(plot_runs(a.runs, a.out))
+
+
+def cmd_demo(a):
+    import jax.numpy as jnp
+    import numpy as np
+    from quads_jax import nvfp4
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((256, 1024)).astype(np.float32) * np.exp(rng.standard_normal((1, 1024)))
+    rows = []
+    for name, kw in [("nvfp4 1x16", {}), ("nvfp4 16x16", {"block_shape": (16, 16)}), ("nvfp4 4-over-6", {"four_over_six": True})]:
+        t = nvfp4.quantize(jnp.asarray(x), **kw)
+        dq = np.asarray(nvfp4.dequantize(t))
+        rel = float(np.linalg.norm(dq - x) / np.linalg.norm(x))
+        rows.append({"format": name, "rel_l2_err": rel, "bits_per_elem": 8 * t.nbytes / x.size})
+    print(_table(rows, ["format", "rel_l2_err", "bits_per_elem"]))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="quads", description="RL of MoE LMs with NVFP4 rollouts (QUADS)")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+
+    def common(p, out_default):
+        p.add_argument("--config", default="configs/tiny_cpu.yaml")
+        p.add_argument("--out", default=out_default)
+        p.add_argument("--set", nargs="*", help="config overrides KEY=VALUE (e.g. rl.steps=5)")
+
+    p = sub.add_parser("train", help="SFT warm start + GRPO in the configured recipe (the main job)")
+    common(p, "runs/tiny")
+    p.add_argument("--checkpoint-every", type=int, default=0)
+    p.set_defaults(fn=cmd_train)
+    p = sub.add_parser("sft", help="supervised base policy")
+    common(p, "runs/base")
+    p.set_defaults(fn=cmd_sft)
+    p = sub.add_parser("compare", help="RL runs of several recipes from one base policy")
+    common(p, "runs/compare")
+    p.add_argument("--recipes", default="bf16,nvfp4_naive,quads")
+    p.set_defaults(fn=cmd_compare)
+    p = sub.add_parser("gap", help="trainer-vs-rollout log-prob gap of every recipe and RAC ratio")
+    common(p, "runs/gap")
+    p.set_defaults(fn=cmd_gap)
+    p = sub.add_parser("plot", help="overlay the curves of run directories")
+    p.add_argument("runs", nargs="+")
+    p.add_argument("--out", default="runs/plot.png")
+    p.set_defaults(fn=cmd_plot)
+    p = sub.add_parser("demo", help="quantize a tensor to NVFP4 and print the error table")
+    p.set_defaults(fn=cmd_demo)
+    a = ap.parse_args(argv)
+    a.fn(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,37 @@
+"""Plots of run directories: reward, held-out pass@1 and the trainer-vs-rollout gap."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from quads_jax.metrics import read_csv  # noqa: E402
+
+PANELS = (("reward_mean", "reward (train prompts)"), ("pass_at_1", "held-out pass@1"),
+          ("gap_max", "max |logp_rollout - logp_train|"), ("k3_kl", "k3 KL(rollout || train)"))
+
+
+def plot_runs(run_dirs, out_png: str, labels=None) -> str:
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(4.2 * len(PANELS), 3.4))
+    for j, d in enumerate(run_dirs):
+        m = read_csv(os.path.join(d, "metrics.csv"))
+        label = (labels[j] if labels else None) or os.path.basename(os.path.normpath(d))
+        for ax, (col, title) in zip(axes, PANELS):
+            if col not in m:
+                continue
+            pts = [(s, v) for s, v in zip(m["step"], m[col]) if not math.isnan(v)]
+            if pts:
+                ax.plot(*zip(*pts), marker="o" if col == "pass_at_1" else None, ms=3, label=label)
+            ax.set_title(title, fontsize=9)
+            ax.set_xlabel("step")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(out_png)), exist_ok=True)
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+    return out_png

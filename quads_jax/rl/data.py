@@ -1,0 +1,46 @@
+"""Turning problems and completions into padded token batches."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from quads_jax.rl.tokenizer import CharTokenizer
+
+
+def prompt_ids(tok: CharTokenizer, prompt: str) -> list[int]:
+    return tok.encode(prompt, bos=True)
+
+
+def sft_batch(tok: CharTokenizer, problems, seq_len: int):
+    """tokens [B, L], attn mask [B, L], loss mask [B, L] (on the demonstration and EOS)."""
+    b = len(problems)
+    tokens = np.zeros((b, seq_len), np.int32)
+    attn = np.zeros((b, seq_len), bool)
+    loss = np.zeros((b, seq_len), bool)
+    for i, p in enumerate(problems):
+        pr = prompt_ids(tok, p.prompt)
+        full = pr + tok.encode(p.demo) + [tok.eos_id]
+        if len(full) > seq_len:
+            raise ValueError(f"sft: sequence of {len(full)} tokens exceeds seq_len={seq_len}; raise sft.seq_len")
+        tokens[i, : len(full)] = full
+        attn[i, : len(full)] = True
+        loss[i, len(pr): len(full)] = True
+    return {"tokens": tokens, "attn": attn, "loss_mask": loss}
+
+
+def rl_batch(prompts: list[list[int]], outputs: list[list[int]], rollout_lps: list[list[float]], seq_len: int):
+    """Prompt + response batches with the rollout's log-probs aligned to response tokens."""
+    b = len(prompts)
+    tokens = np.zeros((b, seq_len), np.int32)
+    attn = np.zeros((b, seq_len), bool)
+    resp = np.zeros((b, seq_len), bool)
+    rlp = np.zeros((b, seq_len), np.float32)
+    for i, (p, o, lp) in enumerate(zip(prompts, outputs, rollout_lps)):
+        n = len(p) + len(o)
+        if n > seq_len:
+            raise ValueError(f"rl: sequence of {n} tokens exceeds seq_len={seq_len}")
+        tokens[i, :n] = p + o
+        attn[i, :n] = True
+        resp[i, len(p):n] = True
+        rlp[i, len(p):n] = lp
+    return {"tokens": tokens, "attn": attn, "resp_mask": resp, "rollout_logp": rlp}

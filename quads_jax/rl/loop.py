@@ -1,0 +1,253 @@
+"""The RL job: SFT warm start, then GRPO with a QUADS precision recipe.
+
+Each GRPO step: sync the trainer's weights to the rollout engine (in-process: the float
+params are quantized once by the engine for its recipe), generate G samples per prompt,
+score them, recompute log-probs with the trainer (its QAT policy), log the
+trainer-vs-rollout gap, and update.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import yaml
+from flax import nnx
+from tqdm import tqdm
+
+from quads_jax import metrics as MW
+from quads_jax import precision as P
+from quads_jax.model import Transformer, from_dict, token_logprobs
+from quads_jax.rl import data as D
+from quads_jax.rl import grpo as G
+from quads_jax.rl.tasks import get_task
+from quads_jax.rl.tokenizer import CharTokenizer
+from quads_jax.train.checkpoint import Checkpointer
+from quads_jax.train.losses import sft_loss
+from quads_jax.train.state import OptimConfig, init_state, make_optimizer, make_train_step, split_params, to_model
+from rollout.engine import Engine, Request
+
+# recipe -> (trainer precision policy, rollout recipe). The paper's RL comparison.
+RECIPES = {
+    "bf16": ("bf16", "bf16"),
+    "fp8": ("fp8", "fp8"),
+    "nvfp4_naive": ("bf16", "nvfp4"),
+    "quads": ("nvfp4_w", "quads"),
+    "w4a16_qat": ("nvfp4_w", "nvfp4"),
+    "quads_symmetric_qat": ("nvfp4_wa", "quads"),
+}
+
+RL_COLUMNS = ["step", "reward_mean", "pass_at_1", "gap_max", "gap_mean", "k3_kl", "entropy", "response_len",
+              "clip_frac", "grad_norm", "loss", "skipped", "tokens_per_s", "weight_sync_s", "rollout_s", "train_s"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+    recipe: str = "quads"
+    rac_ratio: float | None = None  # None: the recipe's (0.5 for quads)
+    steps: int = 20
+    prompts_per_step: int = 16
+    max_new_tokens: int = 24
+    temperature: float = 1.0
+    top_p: float = 1.0
+    eval_every: int = 10
+    eval_n: int = 128
+    seq_len: int = 48
+    grpo: dict = dataclasses.field(default_factory=dict)
+    optim: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTConfig:
+    steps: int = 300
+    batch: int = 64
+    seq_len: int = 48
+    optim: dict = dataclasses.field(default_factory=dict)
+
+
+def _dc(cls, d, name):
+    d = dict(d or {})
+    names = {f.name for f in dataclasses.fields(cls)}
+    if set(d) - names:
+        raise ValueError(f"{name}: unknown keys {sorted(set(d) - names)}; expected some of {sorted(names)}")
+    return cls(**d)
+
+
+@dataclasses.dataclass
+class JobConfig:
+    seed: int
+    model: object
+    task: str
+    task_kwargs: dict
+    sft: SFTConfig
+    rl: RLConfig
+    train_n: int
+
+    @classmethod
+    def load(cls, path: str, overrides: dict | None = None) -> "JobConfig":
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"config file not found: {path}")
+        with open(path) as f:
+            d = yaml.safe_load(f) or {}
+        for k, v in (overrides or {}).items():  # "rl.recipe=bf16"
+            node = d
+            parts = k.split(".")
+            for p in parts[:-1]:
+                node = node.setdefault(p, {})
+            node[parts[-1]] = v
+        known = {"seed", "model", "task", "sft", "rl", "train_n"}
+        if set(d) - known:
+            raise ValueError(f"{path}: unknown top-level keys {sorted(set(d) - known)}; expected some of {sorted(known)}")
+        task = dict(d.get("task") or {"name": "addition"})
+        name = task.pop("name", "addition")
+        rl = _dc(RLConfig, d.get("rl"), "rl")
+        if rl.recipe not in RECIPES:
+            raise ValueError(f"rl.recipe={rl.recipe!r}: expected one of {sorted(RECIPES)}")
+        return cls(seed=int(d.get("seed", 0)), model=from_dict(d.get("model") or {}), task=name, task_kwargs=task,
+                   sft=_dc(SFTConfig, d.get("sft"), "sft"), rl=rl, train_n=int(d.get("train_n", 4000)))
+
+
+def make_task(cfg: JobConfig):
+    from quads_jax.rl import tasks as T
+    t = get_task(cfg.task)
+    return type(t)(**cfg.task_kwargs) if cfg.task_kwargs else t
+
+
+# ----------------------------------------------------------------------------- pieces
+
+
+def evaluate(engine: Engine, task, tok, problems, max_new_tokens: int) -> float:
+    """Held-out pass@1 with greedy decoding."""
+    reqs = [Request(prompt=D.prompt_ids(tok, p.prompt), max_new_tokens=max_new_tokens, temperature=0.0, seed=i)
+            for i, p in enumerate(problems)]
+    res = engine.generate(reqs)
+    return float(np.mean([task.reward(p, tok.decode(r.output_ids)) for p, r in zip(problems, res)]))
+
+
+def run_sft(cfg: JobConfig, out_dir: str, *, log=print):
+    """Supervised warm start on task demonstrations; returns (graphdef, params)."""
+    tok = CharTokenizer()
+    task = make_task(cfg)
+    mcfg = cfg.model.replace(vocab_size=max(cfg.model.vocab_size, tok.vocab_size))
+    model = Transformer(mcfg, rngs=nnx.Rngs(cfg.seed))
+    graphdef, params, axes = split_params(model)
+    ocfg = OptimConfig.from_dict({"total_steps": cfg.sft.steps, **cfg.sft.optim})
+    tx = make_optimizer(ocfg)
+    state = init_state(params, tx, cfg.seed)
+    step = make_train_step(graphdef, tx, sft_loss())
+    train = task.split("train", cfg.train_n, cfg.seed)
+    rng = np.random.default_rng(cfg.seed)
+    writer = MW.MetricsWriter(out_dir, ["step", "loss", "ce", "grad_norm", "tokens_per_s"], filename="sft_metrics.csv")
+    bar = tqdm(range(cfg.sft.steps), desc="sft", dynamic_ncols=True, mininterval=1.0)
+    t0 = time.perf_counter()
+    for i in bar:
+        batch = D.sft_batch(tok, [train[j] for j in rng.integers(0, len(train), cfg.sft.batch)], cfg.sft.seq_len)
+        state, m = step(state, {k: jnp.asarray(v) for k, v in batch.items()})
+        if i % 10 == 0 or i == cfg.sft.steps - 1:
+            m = jax.device_get(m)
+            tps = float(m["tokens"]) * 10 / max(time.perf_counter() - t0, 1e-9)
+            t0 = time.perf_counter()
+            writer.write(i, {**m, "tokens_per_s": tps})
+            bar.set_postfix(loss=f"{float(m['loss']):.3f}")
+    writer.close()
+    return graphdef, state.params, mcfg
+
+
+def run_grpo(cfg: JobConfig, graphdef, params, mcfg, out_dir: str, *, log=print, checkpoint_every: int = 0):
+    """GRPO from ``params`` in the configured recipe; writes ``out_dir/metrics.csv``."""
+    tok = CharTokenizer()
+    task = make_task(cfg)
+    rl = cfg.rl
+    gcfg = G.GRPOConfig.from_dict(rl.grpo)
+    train_name, roll_name = RECIPES[rl.recipe]
+    train_prec = P.train_policy(train_name)
+    roll_prec = P.rollout_recipe(roll_name, rl.rac_ratio)
+    ocfg = OptimConfig.from_dict({"total_steps": rl.steps, "warmup_steps": 2, **rl.optim})
+    tx = make_optimizer(ocfg)
+    state = init_state(params, tx, cfg.seed + 1)
+
+    def loss_fn(model, batch, rng):
+        del rng
+        logp = token_logprobs(model, batch["tokens"], batch["attn"], precision=train_prec)
+        loss, m = G.policy_loss(logp, batch["old_logp"], batch["adv"], batch["resp_mask"], gcfg,
+                                rollout_logp=batch["rollout_logp"])
+        return loss, m
+
+    step_fn = make_train_step(graphdef, tx, loss_fn)
+    score = jax.jit(lambda p, t, a: token_logprobs(to_model(graphdef, p), t, a, precision=train_prec))
+    engine = Engine(mcfg, recipe=roll_prec, max_batch=min(64, rl.prompts_per_step * gcfg.group_size),
+                    max_len=rl.seq_len, eos_token_id=tok.eos_id)
+    train = task.split("train", cfg.train_n, cfg.seed)
+    test = task.split("test", rl.eval_n, cfg.seed)
+    rng = np.random.default_rng(cfg.seed + 7)
+    ckpt = Checkpointer(os.path.join(out_dir, "checkpoints"), save_every=checkpoint_every) if checkpoint_every else None
+    writer = MW.MetricsWriter(out_dir, RL_COLUMNS)
+    bar = tqdm(range(rl.steps + 1), desc=f"grpo[{rl.recipe}]", dynamic_ncols=True, mininterval=1.0)
+    history = []
+    for i in bar:
+        t0 = time.perf_counter()
+        engine.load(state.params, version=i)  # in-process weight sync (quantized once by the engine)
+        t1 = time.perf_counter()
+        row = {}
+        if i % rl.eval_every == 0 or i == rl.steps:
+            row["pass_at_1"] = evaluate(engine, task, tok, test, rl.max_new_tokens)
+        if i == rl.steps:  # the final evaluation row
+            writer.write(i, row)
+            history.append({"step": i, **row})
+            break
+        probs = [train[j] for j in rng.integers(0, len(train), rl.prompts_per_step)]
+        prompts = [D.prompt_ids(tok, p.prompt) for p in probs for _ in range(gcfg.group_size)]
+        reqs = [Request(prompt=pr, max_new_tokens=rl.max_new_tokens, temperature=rl.temperature, top_p=rl.top_p,
+                        seed=int(rng.integers(0, 2**31))) for pr in prompts]
+        res = engine.generate(reqs)
+        t2 = time.perf_counter()
+        rewards = np.array([task.reward(probs[k // gcfg.group_size], tok.decode(r.output_ids)) for k, r in enumerate(res)],
+                           np.float32)
+        b = D.rl_batch(prompts, [r.output_ids for r in res], [r.logprobs for r in res], rl.seq_len)
+        b = {k: jnp.asarray(v) for k, v in b.items()}
+        old = score(state.params, b["tokens"], b["attn"])
+        gaps = jax.device_get(G.gap_metrics(old, b["rollout_logp"], b["resp_mask"]))
+        b["old_logp"] = old
+        b["adv"] = G.group_advantages(jnp.asarray(rewards), gcfg.group_size, gcfg.adv_eps)
+        state, m = step_fn(state, b)
+        m = jax.device_get(m)
+        t3 = time.perf_counter()
+        n_tok = int(sum(len(r.output_ids) for r in res))
+        ent = -float(np.mean([np.mean(r.logprobs) for r in res]))
+        row.update(reward_mean=float(rewards.mean()), **{k: float(v) for k, v in gaps.items()},
+                   entropy=ent, response_len=n_tok / len(res), clip_frac=float(m["clip_frac"]),
+                   grad_norm=float(m["grad_norm"]), loss=float(m["loss"]), skipped=int(m["skipped"]),
+                   tokens_per_s=n_tok / max(t2 - t1, 1e-9), weight_sync_s=t1 - t0, rollout_s=t2 - t1, train_s=t3 - t2)
+        writer.write(i, row)
+        history.append({"step": i, **row})
+        bar.set_postfix(reward=f"{row['reward_mean']:.2f}", gap=f"{row['gap_max']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}",
+                        **({"pass1": f"{row['pass_at_1']:.2f}"} if "pass_at_1" in row else {}))
+        if ckpt is not None:
+            ckpt.save(state)
+    writer.close()
+    if ckpt is not None:
+        ckpt.save(state, force=True)
+        ckpt.wait()
+        ckpt.close()
+    return state, history
+
+
+def summarize(history: list[dict]) -> dict:
+    rows = [h for h in history if "reward_mean" in h]
+    evals = [h["pass_at_1"] for h in history if "pass_at_1" in h]
+    k = max(1, len(rows) // 4)
+    return {
+        "steps": len(rows),
+        "reward_first": float(np.mean([h["reward_mean"] for h in rows[:k]])) if rows else float("nan"),
+        "reward_last": float(np.mean([h["reward_mean"] for h in rows[-k:]])) if rows else float("nan"),
+        "pass_at_1_first": evals[0] if evals else float("nan"),
+        "pass_at_1_last": evals[-1] if evals else float("nan"),
+        "gap_max_peak": max((h["gap_max"] for h in rows), default=float("nan")),
+        "gap_mean_avg": float(np.mean([h["gap_mean"] for h in rows])) if rows else float("nan"),
+        "k3_kl_avg": float(np.mean([h["k3_kl"] for h in rows])) if rows else float("nan"),
+        "tokens_per_s": float(np.mean([h["tokens_per_s"] for h in rows[1:] or rows])) if rows else float("nan"),
+    }

@@ -1,0 +1,71 @@
+"""Arithmetic tasks whose answers need several reasoning tokens.
+
+addition:  "a+b=" with multi-digit operands. The demonstration works column by column,
+           least significant digit first, writing each digit with its carry
+           ("7+5=12,3+4+1=8:" ...), then the answer after ":". Reward 1 for the exact
+           answer after the last ":", else 0.
+countdown: reach a target from three numbers with + - * (each used once, any order);
+           reward 1 for a valid expression that evaluates to the target.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+
+import numpy as np
+
+from quads_jax.rl.tasks import Problem, Task
+
+
+def _answer_after_colon(text: str) -> str:
+    return text.rsplit(":", 1)[-1].strip() if ":" in text else ""
+
+
+class Addition(Task):
+    name = "addition"
+
+    def __init__(self, digits: int = 2):
+        self.digits = digits
+
+    def sample(self, rng):
+        hi = 10**self.digits
+        a, b = int(rng.integers(0, hi)), int(rng.integers(0, hi))
+        steps, carry = [], 0
+        da, db = str(a).zfill(self.digits)[::-1], str(b).zfill(self.digits)[::-1]
+        for x, y in zip(da, db):
+            s = int(x) + int(y) + carry
+            steps.append(f"{x}+{y}+{carry}={s}")
+            carry = s // 10
+        ans = str(a + b)
+        return Problem(prompt=f"{a}+{b}=", answer=ans, demo=",".join(steps) + ":" + ans)
+
+    def reward(self, problem, completion):
+        return float(_answer_after_colon(completion) == problem.answer)
+
+
+class Countdown(Task):
+    name = "countdown"
+
+    def sample(self, rng):
+        while True:
+            nums = [int(v) for v in rng.integers(1, 10, 3)]
+            a, b, c = nums
+            ops = [rng.choice(["+", "-", "*"]) for _ in range(2)]
+            expr = f"({a}{ops[0]}{b}){ops[1]}{c}"
+            target = eval(expr)  # noqa: S307 - our own digits and operators only
+            if 0 < target < 100:
+                return Problem(prompt=f"{a},{b},{c}:{target}=", answer=str(target), demo=expr)
+
+    def reward(self, problem, completion):
+        expr = completion.strip()
+        if not re.fullmatch(r"[0-9+\-*() ]{1,32}", expr):
+            return 0.0
+        nums = sorted(re.findall(r"\d+", expr))
+        want = sorted(problem.prompt.split(":")[0].split(","))
+        if nums != want:
+            return 0.0
+        try:
+            return float(eval(expr) == int(problem.answer))  # noqa: S307 - validated above
+        except Exception:
+            return 0.0
