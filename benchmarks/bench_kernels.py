@@ -138,6 +138,19 @@ def numerics():
         key = f"quant_pallas_vs_xla_rho{rho}_{mode}"
         out[key + "_x_code_mismatch"] = int((np.asarray(a[0].codes) != np.asarray(b[0].codes)).sum())
         out[key + "_x_scale_mismatch"] = int((np.asarray(a[0].scales).view(np.uint8) != np.asarray(b[0].scales).view(np.uint8)).sum())
+        ca, cb = np.asarray(a[0].codes), np.asarray(b[0].codes)
+        bad = ca != cb
+        if bad.any():  # where do they differ: rows, nibbles, and the decoded values
+            rows = np.nonzero(bad.any(1))[0]
+            lo = ((ca ^ cb) & 0xF) != 0
+            hi = ((ca ^ cb) >> 4) != 0
+            r0, c0 = np.argwhere(bad)[0]
+            out[key + "_diag"] = {"rows_with_mismatch": int(rows.size), "first_rows": rows[:8].tolist(),
+                                  "low_nibble": int(lo.sum()), "high_nibble": int(hi.sum()),
+                                  "first": [int(r0), int(c0), int(ca[r0, c0]), int(cb[r0, c0])],
+                                  "x_at_first": [float(v) for v in np.asarray(xa[r0, 2 * c0:2 * c0 + 2], np.float32)],
+                                  "gs_xla": np.asarray(a[0].global_scale).reshape(-1)[:2].tolist(),
+                                  "gs_pallas": np.asarray(b[0].global_scale).reshape(-1)[:2].tolist()}
         if a[1] is not None:
             out[key + "_r_code_mismatch_frac"] = float((np.asarray(a[1].codes) != np.asarray(b[1].codes)).mean())
 

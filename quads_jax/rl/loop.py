@@ -63,9 +63,13 @@ class RLConfig:
 
 @dataclasses.dataclass(frozen=True)
 class SFTConfig:
-    steps: int = 300
+    steps: int = 300  # at most
     batch: int = 64
     seq_len: int = 48
+    # stop once greedy held-out pass@1 reaches this (RL needs room to improve); 0 disables
+    target_pass_at_1: float = 0.0
+    eval_every: int = 20
+    eval_n: int = 64
     optim: dict = dataclasses.field(default_factory=dict)
 
 
@@ -141,18 +145,36 @@ def run_sft(cfg: JobConfig, out_dir: str, *, log=print):
     step = make_train_step(graphdef, tx, sft_loss())
     train = task.split("train", cfg.train_n, cfg.seed)
     rng = np.random.default_rng(cfg.seed)
-    writer = MW.MetricsWriter(out_dir, ["step", "loss", "ce", "grad_norm", "tokens_per_s"], filename="sft_metrics.csv")
-    bar = tqdm(range(cfg.sft.steps), desc="sft", dynamic_ncols=True, mininterval=1.0)
+    writer = MW.MetricsWriter(out_dir, ["step", "loss", "ce", "grad_norm", "tokens_per_s", "pass_at_1"],
+                              filename="sft_metrics.csv")
+    sc = cfg.sft
+    engine = None
+    if sc.target_pass_at_1 > 0:
+        engine = Engine(mcfg, recipe="bf16", max_batch=64, max_len=sc.seq_len, eos_token_id=tok.eos_id)
+        held = task.split("test", sc.eval_n, cfg.seed + 1000)
+    bar = tqdm(range(sc.steps), desc="sft", dynamic_ncols=True, mininterval=1.0)
     t0 = time.perf_counter()
     for i in bar:
-        batch = D.sft_batch(tok, [train[j] for j in rng.integers(0, len(train), cfg.sft.batch)], cfg.sft.seq_len)
+        batch = D.sft_batch(tok, [train[j] for j in rng.integers(0, len(train), sc.batch)], sc.seq_len)
         state, m = step(state, {k: jnp.asarray(v) for k, v in batch.items()})
-        if i % 10 == 0 or i == cfg.sft.steps - 1:
+        row = None
+        if i % 10 == 0 or i == sc.steps - 1:
             m = jax.device_get(m)
             tps = float(m["tokens"]) * 10 / max(time.perf_counter() - t0, 1e-9)
             t0 = time.perf_counter()
-            writer.write(i, {**m, "tokens_per_s": tps})
+            row = {**m, "tokens_per_s": tps}
             bar.set_postfix(loss=f"{float(m['loss']):.3f}")
+        if engine is not None and i > 0 and i % sc.eval_every == 0:
+            engine.load(state.params, version=i)
+            acc = evaluate(engine, task, tok, held, cfg.rl.max_new_tokens)
+            row = {**(row or {}), "pass_at_1": acc}
+            bar.set_postfix(loss=f"{float(m['loss']):.3f}", pass1=f"{acc:.2f}")
+            if acc >= sc.target_pass_at_1:
+                writer.write(i, row)
+                log(f"[sft] held-out pass@1 {acc:.2f} >= target {sc.target_pass_at_1} at step {i}: stopping")
+                break
+        if row is not None:
+            writer.write(i, row)
     writer.close()
     return graphdef, state.params, mcfg
 

@@ -168,7 +168,7 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, loss_fn: Callabl
         new_state = TrainState(params=keep(new_params, state.params), opt_state=keep(new_opt, state.opt_state),
                                step=state.step + ok.astype(jnp.int32), skipped=state.skipped + (~ok).astype(jnp.int32),
                                rng=jax.random.key_data(rng))
-        metrics = dict(metrics, loss=loss, grad_norm=optax.global_norm(grads), skipped=(~ok).astype(jnp.int32))
+        metrics = dict(metrics, loss=loss, grad_norm=optax.tree.norm(grads), skipped=(~ok).astype(jnp.int32))
         return new_state, metrics
 
     kw = {"donate_argnums": (0,)} if donate else {}

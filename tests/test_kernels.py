@@ -1,0 +1,135 @@
+"""Pallas kernels (interpret mode on the CPU) against their XLA references, on fresh random data."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels as pk
+from quads_jax import fp8, nvfp4
+from pallas_kernels import rac
+
+
+def heavy(rng, shape):
+    return (rng.standard_normal(shape) * np.exp(rng.standard_normal(shape[:-1] + (1,)))).astype(np.float32)
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.fixture
+def rng(request):
+    return np.random.default_rng(abs(hash(request.node.name)) % 2**32)
+
+
+@pytest.mark.parametrize("act_scale", ["tensor", "token"])
+def test_quantizer_pallas_equals_xla_and_nvfp4(rng, act_scale):
+    x = jnp.asarray(heavy(rng, (37, 256))).astype(jnp.bfloat16)
+    a = pk.quantize_activations(x, act_scale=act_scale, backend="xla")
+    b = pk.quantize_activations(x, act_scale=act_scale, backend="pallas")
+    np.testing.assert_array_equal(np.asarray(a.codes), np.asarray(b.codes))
+    np.testing.assert_array_equal(np.asarray(a.scales).view(np.uint8), np.asarray(b.scales).view(np.uint8))
+    ref = nvfp4.quantize(x.astype(jnp.float32), keep_axes=(0,) if act_scale == "token" else ())
+    np.testing.assert_array_equal(np.asarray(a.codes), np.asarray(ref.codes))
+
+
+@pytest.mark.parametrize("rho,mode", [(0.125, "token"), (0.5, "token"), (1.0, "token"), (0.25, "tensor"), (0.5, "channel")])
+def test_rac_quantizer_pallas_equals_xla(rng, rho, mode):
+    x = jnp.asarray(heavy(rng, (20, 512))).astype(jnp.bfloat16)
+    xa, ra = pk.quantize_activations_rac(x, rac_ratio=rho, rac_mode=mode, backend="xla")
+    xb, rb = pk.quantize_activations_rac(x, rac_ratio=rho, rac_mode=mode, backend="pallas")
+    np.testing.assert_array_equal(np.asarray(xa.codes), np.asarray(xb.codes))
+    np.testing.assert_array_equal(np.asarray(ra.codes), np.asarray(rb.codes))
+    np.testing.assert_array_equal(np.asarray(ra.scales).view(np.uint8), np.asarray(rb.scales).view(np.uint8))
+
+
+def test_rac_selects_the_largest_residual_blocks(rng):
+    x = jnp.asarray(heavy(rng, (4, 256)))
+    gx = rac.activation_global_scale(x, "token")
+    r = rac.residual(x, gx)
+    m = np.asarray(rac.selection_mask(r, 0.25, "token")).reshape(4, 16, 16)[:, :, 0]  # per 16-block
+    e = np.asarray(rac.block_energy(r))
+    assert m.sum(1).tolist() == [4] * 4  # 25% of 16 blocks per token
+    for t in range(4):
+        assert e[t][m[t]].min() >= e[t][~m[t]].max()
+
+
+@pytest.mark.parametrize("t", [1, 19, 64])
+@pytest.mark.parametrize("rho", [0.0, 0.125, 0.5, 1.0])
+def test_gemm_pallas_equals_xla(rng, t, rho):
+    x = jnp.asarray(heavy(rng, (t, 256))).astype(jnp.bfloat16)
+    w = nvfp4.quantize(jnp.asarray(rng.standard_normal((96, 256)).astype(np.float32)))
+    a = pk.nvfp4_matmul(x, w, rac_ratio=rho, backend="xla", out_dtype=jnp.float32)
+    b = pk.nvfp4_matmul(x, w, rac_ratio=rho, backend="pallas", out_dtype=jnp.float32)
+    assert b.shape == (t, 96)
+    assert rel(b, a) < 1e-5  # same operands, FP32 accumulation in another order
+
+
+def test_gemm_w4a16_and_rho_semantics(rng):
+    x = jnp.asarray(heavy(rng, (16, 512))).astype(jnp.bfloat16)
+    wf = jnp.asarray(rng.standard_normal((64, 512)).astype(np.float32))
+    w = nvfp4.quantize(wf)
+    wd = nvfp4.dequantize(w)
+    xf = x.astype(jnp.float32)
+    exact = np.asarray(xf @ wf.T)
+    # rho = 0 is the plain W4A4 product
+    xq = nvfp4.dequantize(pk.quantize_activations(x, act_scale="tensor", backend="xla"))
+    np.testing.assert_allclose(pk.nvfp4_matmul(x, w, backend="pallas", out_dtype=jnp.float32), xq @ wd.T, rtol=2e-5, atol=2e-4)
+    # rho = 1 is (dq(q(x)) + dq(q(r))) @ dq(w).T
+    xq1, rq1 = pk.quantize_activations_rac(x, rac_ratio=1.0, backend="xla")
+    ref1 = (nvfp4.dequantize(xq1) + nvfp4.dequantize(rq1)) @ wd.T
+    np.testing.assert_allclose(pk.nvfp4_matmul(x, w, rac_ratio=1.0, backend="pallas", out_dtype=jnp.float32), ref1, rtol=2e-5, atol=2e-4)
+    # the error against the float product falls as rho grows, towards the weight-only error
+    errs = [rel(pk.nvfp4_matmul(x, w, rac_ratio=r, backend="xla", out_dtype=jnp.float32), exact) for r in (0.0, 0.125, 0.5, 1.0)]
+    assert errs[0] > errs[1] > errs[2] > errs[3], errs
+    w16 = rel(pk.nvfp4_matmul(x, w, mode="w4a16", backend="pallas", out_dtype=jnp.float32), exact)
+    assert w16 < errs[3] * 1.2 and np.isclose(w16, rel(xf @ wd.T, exact), rtol=1e-3)
+
+
+@pytest.mark.parametrize("rho", [0.0, 0.5])
+def test_grouped_pallas_equals_xla_with_empty_experts(rng, rho):
+    e, m = 6, 45
+    sizes = np.array([10, 0, 17, 0, 18, 0], np.int32)
+    w = nvfp4.quantize(jnp.asarray(rng.standard_normal((e, 64, 128)).astype(np.float32) * np.arange(1, e + 1)[:, None, None]),
+                       keep_axes=(0,))
+    assert np.size(w.global_scale) == e
+    x = jnp.asarray(heavy(rng, (m, 128))).astype(jnp.bfloat16)
+    a = pk.nvfp4_grouped_matmul(x, w, jnp.asarray(sizes), rac_ratio=rho, backend="xla", out_dtype=jnp.float32)
+    b = pk.nvfp4_grouped_matmul(x, w, jnp.asarray(sizes), rac_ratio=rho, backend="pallas", out_dtype=jnp.float32)
+    assert rel(b, a) < 1e-5
+    # each group equals the dense GEMM with that expert's weight
+    start = 0
+    for ei, n in enumerate(sizes):
+        if n:
+            we = nvfp4.NVFP4Tensor(w.codes[ei], w.scales[ei], w.global_scale[ei].reshape(()), (64, 128), -1)
+            d = pk.nvfp4_matmul(x[start:start + n], we, rac_ratio=rho, backend="xla", out_dtype=jnp.float32)
+            assert rel(a[start:start + n], d) < 1e-2  # tensor-scale activations differ per group; same math
+        start += n
+
+
+def test_fp8_matmul_close_to_float(rng):
+    x = jnp.asarray(rng.standard_normal((8, 256)).astype(np.float32))
+    wf = jnp.asarray(rng.standard_normal((32, 256)).astype(np.float32))
+    y = pk.fp8_matmul(x, fp8.quantize(wf), out_dtype=jnp.float32)
+    assert rel(y, x @ wf.T) < 0.05
+    wg = jnp.asarray(rng.standard_normal((3, 32, 256)).astype(np.float32))
+    yg = pk.fp8_grouped_matmul(x, fp8.quantize(wg), jnp.array([3, 0, 5]), out_dtype=jnp.float32)
+    ref = jnp.concatenate([x[:3] @ wg[0].T, x[3:] @ wg[2].T])
+    assert rel(yg, ref) < 0.05
+
+
+def test_bad_inputs_name_the_argument(rng):
+    w = nvfp4.quantize(jnp.ones((32, 64)))
+    with pytest.raises(ValueError, match="x"):
+        pk.nvfp4_matmul(jnp.ones((4, 48), jnp.bfloat16), w)
+    with pytest.raises(ValueError, match="mode"):
+        pk.nvfp4_matmul(jnp.ones((4, 64), jnp.bfloat16), w, mode="w8a8")
+    with pytest.raises(ValueError, match="rac_ratio"):
+        pk.nvfp4_matmul(jnp.ones((4, 64), jnp.bfloat16), w, rac_ratio=1.5)
+    with pytest.raises(ValueError, match="backend"):
+        pk.nvfp4_matmul(jnp.ones((4, 64), jnp.bfloat16), w, backend="cuda")
+    with pytest.raises(ValueError, match="group_sizes"):
+        pk.nvfp4_grouped_matmul(jnp.ones((4, 64), jnp.bfloat16), nvfp4.quantize(jnp.ones((2, 32, 64)), keep_axes=(0,)),
+                                jnp.array([1, 2, 3]))
