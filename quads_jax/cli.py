@@ -23,7 +23,13 @@ def _overrides(pairs):
             raise SystemExit(f"--set {p!r}: expected KEY=VALUE, e.g. rl.recipe=bf16")
         k, v = p.split("=", 1)
         import yaml
-        out[k] = yaml.safe_load(v)
+        val = yaml.safe_load(v)
+        if isinstance(val, str):  # YAML 1.1 reads "2e-3" as a string
+            try:
+                val = float(val)
+            except ValueError:
+                pass
+        out[k] = val
     return out
 
 

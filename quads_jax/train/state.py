@@ -73,6 +73,14 @@ class OptimConfig:
     clip_norm: float = 1.0
     grad_accum: int = 1
 
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            try:
+                object.__setattr__(self, f.name, int(v) if f.type == "int" else float(v))
+            except (TypeError, ValueError):
+                raise ValueError(f"optim.{f.name}={v!r}: expected a number") from None
+
     @classmethod
     def from_dict(cls, d):
         d = dict(d or {})
