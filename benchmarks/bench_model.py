@@ -129,11 +129,13 @@ def main():
     RES.update(date=datetime.date.today().isoformat(), device=jax.devices()[0].device_kind, jax=jax.__version__)
     cfg = ModelConfig(**BIG)
     params = None
-    try:
-        RES["fwd_bwd"], params = fwd_bwd(cfg, a.batch, a.seq)
-    except Exception as e:
-        RES["errors"]["fwd_bwd"] = f"{type(e).__name__}: {e}"[:2000]
-        traceback.print_exc()
+    for bsz, seq in ((a.batch, a.seq), (max(1, a.batch // 4), a.seq), (1, 256)):
+        try:
+            RES["fwd_bwd"], params = fwd_bwd(cfg, bsz, seq)
+            break
+        except Exception as e:
+            RES["errors"][f"fwd_bwd_{bsz}x{seq}"] = f"{type(e).__name__}: {e}"[:600]
+            traceback.print_exc()
     json.dump(RES, open(os.path.join(a.out, "model.json"), "w"), indent=1, default=str)
     try:
         if params is None:

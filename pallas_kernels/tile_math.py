@@ -28,7 +28,7 @@ def _mul_rn(a, b):
     return out
 
 
-TRITON_ARITH = nvfp4.Arith(div=nvfp4.ieee_div, opaque=lambda x: x, mul=_mul_rn)
+TRITON_ARITH = nvfp4.Arith(div=lambda a, b: nvfp4.ieee_div(a, b, unroll=True), opaque=lambda x: x, mul=_mul_rn)
 
 
 def load_even_odd(ref, rows, start, width, mask, interpret, other=0):
