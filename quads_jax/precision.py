@@ -35,6 +35,7 @@ import jax.numpy as jnp
 
 import pallas_kernels as pk
 from quads_jax import fp8, nvfp4
+from quads_jax.config_util import build
 
 KINDS = ("attn", "experts", "shared", "dense", "router", "lm_head")
 TRAIN_MODES = ("bf16", "fp8", "nvfp4_w", "nvfp4_wa")
@@ -69,11 +70,7 @@ class Precision:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> "Precision":
-        d = dict(d or {})
-        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise ValueError(f"precision: unknown keys {sorted(unknown)}; expected some of {[f.name for f in dataclasses.fields(cls)]}")
-        return cls(**d)
+        return build(cls, d, "precision")
 
 
 _QUANTIZED = ("attn", "experts", "shared", "dense")

@@ -10,6 +10,8 @@ from typing import Any
 import jax.numpy as jnp
 import yaml
 
+from quads_jax.config_util import build
+
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
@@ -88,11 +90,7 @@ class ModelConfig:
 
 
 def from_dict(d: dict[str, Any]) -> ModelConfig:
-    names = {f.name for f in dataclasses.fields(ModelConfig)}
-    unknown = set(d) - names
-    if unknown:
-        raise ValueError(f"model: unknown keys {sorted(unknown)}; expected some of {sorted(names)}")
-    return ModelConfig(**d)
+    return build(ModelConfig, d, "model")
 
 
 def from_yaml(path: str) -> ModelConfig:

@@ -11,6 +11,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from quads_jax.config_util import build
+
 
 @dataclasses.dataclass(frozen=True)
 class GRPOConfig:
@@ -23,11 +25,7 @@ class GRPOConfig:
 
     @classmethod
     def from_dict(cls, d):
-        d = dict(d or {})
-        names = {f.name for f in dataclasses.fields(cls)}
-        if set(d) - names:
-            raise ValueError(f"grpo: unknown keys {sorted(set(d) - names)}; expected some of {sorted(names)}")
-        return cls(**d)
+        return build(cls, d, "grpo")
 
 
 def group_advantages(rewards, group_size: int, eps: float = 1e-6):

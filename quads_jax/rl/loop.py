@@ -20,6 +20,7 @@ from flax import nnx
 from tqdm import tqdm
 
 from quads_jax import metrics as MW
+from quads_jax.config_util import build
 from quads_jax import precision as P
 from quads_jax.model import Transformer, from_dict, token_logprobs
 from quads_jax.rl import data as D
@@ -73,14 +74,6 @@ class SFTConfig:
     optim: dict = dataclasses.field(default_factory=dict)
 
 
-def _dc(cls, d, name):
-    d = dict(d or {})
-    names = {f.name for f in dataclasses.fields(cls)}
-    if set(d) - names:
-        raise ValueError(f"{name}: unknown keys {sorted(set(d) - names)}; expected some of {sorted(names)}")
-    return cls(**d)
-
-
 @dataclasses.dataclass
 class JobConfig:
     seed: int
@@ -108,11 +101,11 @@ class JobConfig:
             raise ValueError(f"{path}: unknown top-level keys {sorted(set(d) - known)}; expected some of {sorted(known)}")
         task = dict(d.get("task") or {"name": "addition"})
         name = task.pop("name", "addition")
-        rl = _dc(RLConfig, d.get("rl"), "rl")
+        rl = build(RLConfig, d.get("rl"), "rl")
         if rl.recipe not in RECIPES:
             raise ValueError(f"rl.recipe={rl.recipe!r}: expected one of {sorted(RECIPES)}")
         return cls(seed=int(d.get("seed", 0)), model=from_dict(d.get("model") or {}), task=name, task_kwargs=task,
-                   sft=_dc(SFTConfig, d.get("sft"), "sft"), rl=rl, train_n=int(d.get("train_n", 4000)))
+                   sft=build(SFTConfig, d.get("sft"), "sft"), rl=rl, train_n=int(d.get("train_n", 4000)))
 
 
 def make_task(cfg: JobConfig):

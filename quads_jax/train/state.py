@@ -22,6 +22,7 @@ import optax
 from flax import nnx
 
 from quads_jax import sharding as S
+from quads_jax.config_util import build
 
 
 # ----------------------------------------------------------------------------- params
@@ -83,11 +84,7 @@ class OptimConfig:
 
     @classmethod
     def from_dict(cls, d):
-        d = dict(d or {})
-        names = {f.name for f in dataclasses.fields(cls)}
-        if set(d) - names:
-            raise ValueError(f"optim: unknown keys {sorted(set(d) - names)}; expected some of {sorted(names)}")
-        return cls(**d)
+        return build(cls, d, "optim")
 
 
 def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
