@@ -85,7 +85,13 @@ def ieee_div(a, b, unroll: bool = False):
     # A loop, not 25 unrolled steps, under XLA: its fusion of the unrolled chain duplicates
     # it into every consumer and compiles for minutes. Triton kernels unroll (a rolled
     # loop per element costs 3-4x in the GEMM).
-    q, rem = jax.lax.fori_loop(0, 25, step, (jnp.zeros_like(ma), rem), unroll=unroll)
+    carry = (jnp.zeros_like(ma), rem)
+    if unroll:  # Pallas-Triton cannot lower an unrolled scan: unroll in Python
+        for i in range(25):
+            carry = step(i, carry)
+    else:
+        carry = jax.lax.fori_loop(0, 25, step, carry)
+    q, rem = carry
     mant, rbit = q >> 1, q & 1
     up = (rbit == 1) & ((rem != 0) | ((mant & 1) == 1))
     mant = mant + up.astype(jnp.int32)
