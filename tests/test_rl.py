@@ -150,7 +150,7 @@ class _DigitsTask:
 
     def sample(self, rng):
         from quads_jax.rl.tasks import Problem
-        a = int(rng.integers(0, 100))
+        a = int(rng.integers(0, 10**6))
         return Problem(prompt=f"{a}=", answer="", demo="1")
 
     def reward(self, problem, completion):

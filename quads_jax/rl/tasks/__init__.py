@@ -37,7 +37,11 @@ class Task:
         rng = np.random.default_rng([seed, 0 if split == "train" else 1, zlib.crc32(self.name.encode())])
         out, seen = [], set()
         held = set() if split == "test" else {p.prompt for p in self.split("test", 256, seed)}
+        tries = 0
         while len(out) < n:
+            tries += 1
+            if tries > 100 * n + 10000:
+                raise ValueError(f"{self.name}: could not draw {n} distinct {split} problems (the task has too few)")
             p = self.sample(rng)
             if p.prompt in held or (split == "test" and p.prompt in seen):
                 continue
