@@ -144,9 +144,31 @@ def numerics():
     out["nvfp4_gpu_jit_vs_eager_codes_equal"] = bool(np.array_equal(np.asarray(eager.codes), np.asarray(jitted.codes)))
     fq = jax.jit(F.fake_quant)(xd)
     out["nvfp4_gpu_fake_quant_jit_changes_values"] = bool(np.mean(np.asarray(fq) != x) > 0.5)
+    we = jnp.asarray(heavy(rng, (8, 64, 256)))  # per-expert global scales, 2D blocks
+    for name, kw in {"per_expert": {"keep_axes": (0,)}, "blocks_16x16": {"block_shape": (16, 16)}}.items():
+        ea, ja = F.quantize(we, **kw), jax.jit(lambda v: F.quantize(v, **kw))(we)
+        out[f"nvfp4_gpu_{name}_jit_vs_eager_codes_equal"] = bool(np.array_equal(np.asarray(ea.codes), np.asarray(ja.codes)))
+    fe, fj = F.fake_quant(xd), jax.jit(F.fake_quant)(xd)
+    out["nvfp4_gpu_fake_quant_jit_vs_eager_bits_equal"] = bool(np.array_equal(np.asarray(fe).view(np.uint32), np.asarray(fj).view(np.uint32)))
     trap = jax.jit(lambda a: a.astype(jnp.float4_e2m1fn).astype(jnp.float32))(jnp.float32(0.3))
     out["float4_cast_roundtrip_under_jit_gives"] = float(trap)  # 0.3 means folded away; 0.5 means quantized
+    return out
 
+
+def stamp(t0, what):
+    print(f"  {what}: {time.time() - t0:.1f}s", flush=True)
+
+
+@section("numerics_pallas")
+def numerics_pallas():
+    import jax.numpy as jnp
+
+    from quads_jax import nvfp4 as F
+    from pallas_kernels import nvfp4_grouped_matmul, nvfp4_matmul, quantize_activations_rac
+
+    out = {}
+    t0 = time.time()
+    rng = np.random.default_rng(0)
     # Pallas quantizer vs XLA reference, exact
     xa = jnp.asarray(heavy(rng, (64, 4096))).astype(jnp.bfloat16)
     for rho, mode in [(0.0, "token"), (0.5, "token"), (0.125, "tensor"), (0.25, "channel"), (1.0, "token")]:
@@ -170,6 +192,7 @@ def numerics():
                                   "gs_pallas": np.asarray(b[0].global_scale).reshape(-1)[:2].tolist()}
         if a[1] is not None:
             out[key + "_r_code_mismatch_frac"] = float((np.asarray(a[1].codes) != np.asarray(b[1].codes)).mean())
+        stamp(t0, key)
 
     rel = lambda u, v: float(np.linalg.norm(np.asarray(u, np.float32) - np.asarray(v, np.float32)) / np.linalg.norm(np.asarray(v, np.float32)))
     for t in (1, 37, 300):
@@ -184,6 +207,7 @@ def numerics():
             out[f"gemm_T{t}_rho{rho}_err_vs_f32"] = rel(a, f32)
         b = nvfp4_matmul(xw, w, mode="w4a16", backend="pallas")
         out[f"gemm_T{t}_w4a16_pallas_vs_xla_rel"] = rel(b, nvfp4_matmul(xw, w, mode="w4a16", backend="xla"))
+        stamp(t0, f"gemm T={t}")
     e, m = 16, 200
     sizes = jnp.asarray(np.bincount(rng.integers(0, e - 3, m), minlength=e).astype(np.int32))
     we = F.quantize(jnp.asarray(rng.standard_normal((e, 512, 1024)).astype(np.float32)), keep_axes=(0,))
@@ -192,6 +216,7 @@ def numerics():
         a = nvfp4_grouped_matmul(xg, we, sizes, rac_ratio=rho, backend="xla")
         b = nvfp4_grouped_matmul(xg, we, sizes, rac_ratio=rho, backend="pallas")
         out[f"grouped_rho{rho}_pallas_vs_xla_rel"] = rel(b, a)
+        stamp(t0, f"grouped rho={rho}")
     return out
 
 
@@ -392,7 +417,7 @@ def markdown(res) -> str:
         for r in s["torch"]:
             lines.append(f"| {r['T']} | {r['K']}x{r['N']} | {r['cublas_bf16_us']:.1f} | {r.get('cublas_fp8_scaled_mm_us', '-')} |")
         lines.append("")
-    for key in ("numerics", "sass"):
+    for key in ("numerics", "numerics_pallas", "sass"):
         if s.get(key):
             lines += [f"## {key}", "", "```", json.dumps(s[key], indent=1), "```", ""]
     if res["errors"]:
@@ -415,6 +440,8 @@ def main():
     env()
     if want("numerics"):
         numerics()
+    if want("numerics_pallas"):
+        numerics_pallas()
     if want("ceilings"):
         ceilings(measure)
     ceil = RESULTS["sections"].get("ceilings")

@@ -66,15 +66,15 @@ def fwd_bwd(cfg, batch, seq):
     return out, params
 
 
-def rollout(cfg, params, prompts, new_tokens, batch):
+def rollout(cfg, params, prompts, new_tokens, batch, recipes, out_dir):
     from pallas_kernels import use_backend
     from rollout.engine import Engine, Request
 
     rng = np.random.default_rng(0)
     reqs = [Request(prompt=rng.integers(3, cfg.vocab_size, 64).tolist(), max_new_tokens=new_tokens, seed=i, ignore_eos=True)
             for i in range(prompts)]
-    out = {}
-    for recipe in ("bf16", "fp8", "nvfp4", "quads", "w4a16"):
+    out = RES.setdefault("rollout", {})
+    for recipe in recipes:
         for backend in (("xla",) if recipe in ("bf16", "fp8") else ("pallas", "xla")):
             key = f"{recipe}/{backend}"
             try:
@@ -90,6 +90,7 @@ def rollout(cfg, params, prompts, new_tokens, batch):
                 out[key] = {"error": f"{type(e).__name__}: {e}"[:600]}
                 traceback.print_exc()
             print(key, out[key], flush=True)
+            json.dump(RES, open(os.path.join(out_dir, "model.json"), "w"), indent=1, default=str)  # keep partial results
     return out
 
 
@@ -124,12 +125,14 @@ def main():
     ap.add_argument("--prompts", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--decode-batch", type=int, default=64)
+    ap.add_argument("--skip-train", action="store_true", help="only the rollout section")
+    ap.add_argument("--recipes", default="bf16,fp8,nvfp4,quads,w4a16")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     RES.update(date=datetime.date.today().isoformat(), device=jax.devices()[0].device_kind, jax=jax.__version__)
     cfg = ModelConfig(**BIG)
     params = None
-    for bsz, seq in ((a.batch, a.seq), (max(1, a.batch // 4), a.seq), (1, 256)):
+    for bsz, seq in () if a.skip_train else ((a.batch, a.seq), (max(1, a.batch // 4), a.seq), (1, 256)):
         try:
             RES["fwd_bwd"], params = fwd_bwd(cfg, bsz, seq)
             break
@@ -144,7 +147,7 @@ def main():
             from quads_jax.train.state import split_params
             params = split_params(Transformer(cfg, rngs=nnx.Rngs(0)))[1]
         RES["rollout_setup"] = f"{a.prompts} prompts x {a.new_tokens} new tokens, batch {a.decode_batch}, prompt 64"
-        RES["rollout"] = rollout(cfg, params, a.prompts, a.new_tokens, a.decode_batch)
+        RES["rollout"] = rollout(cfg, params, a.prompts, a.new_tokens, a.decode_batch, a.recipes.split(","), a.out)
     except Exception as e:
         RES["errors"]["rollout"] = f"{type(e).__name__}: {e}"[:2000]
         traceback.print_exc()
