@@ -150,6 +150,14 @@ def numerics():
         out[f"nvfp4_gpu_{name}_jit_vs_eager_codes_equal"] = bool(np.array_equal(np.asarray(ea.codes), np.asarray(ja.codes)))
     fe, fj = F.fake_quant(xd), jax.jit(F.fake_quant)(xd)
     out["nvfp4_gpu_fake_quant_jit_vs_eager_bits_equal"] = bool(np.array_equal(np.asarray(fe).view(np.uint32), np.asarray(fj).view(np.uint32)))
+    # Is XLA's own float32 division correctly rounded on this device? (If so, the long
+    # division could give way to it here.) Quotients in the recipe's range [2**-9, 2**30].
+    na = np.exp(rng.uniform(-8, 12, 1 << 20)).astype(np.float32)
+    nb = np.exp(rng.uniform(-8, 12, 1 << 20)).astype(np.float32)
+    want = (na / nb).view(np.uint32)
+    out["xla_gpu_true_div_mismatch_of_1M"] = int((np.asarray(jax.jit(F.true_div)(na, nb)).view(np.uint32) != want).sum())
+    out["xla_gpu_plain_div_mismatch_of_1M"] = int((np.asarray(jax.jit(lambda u, v: u / v)(na, nb)).view(np.uint32) != want).sum())
+    out["xla_gpu_ieee_div_mismatch_of_1M"] = int((np.asarray(jax.jit(F.ieee_div)(na, nb)).view(np.uint32) != want).sum())
     trap = jax.jit(lambda a: a.astype(jnp.float4_e2m1fn).astype(jnp.float32))(jnp.float32(0.3))
     out["float4_cast_roundtrip_under_jit_gives"] = float(trap)  # 0.3 means folded away; 0.5 means quantized
     return out

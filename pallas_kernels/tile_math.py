@@ -1,9 +1,11 @@
 """Arithmetic shared by the kernels: the float32 division and opacity they use.
 
-Divisions use ``nvfp4.ieee_div`` (integer long division) in the kernels and in the
-reference alike. Triton contracts ``x - a * b`` into an FMA, so the RAC residual's product
-is a PTX ``mul.rn.f32``; in interpret mode the kernel body is run by XLA, which needs the
-reference's optimization barriers instead (``nvfp4.XLA_ARITH``).
+The recipe needs correctly rounded float32 divisions and products that are rounded on
+their own. Triton divides approximately (``div.full.f32``) and contracts ``x - a * b``
+into an FMA, so compiled kernels emit PTX ``div.rn.f32`` (IEEE round-to-nearest-even, the
+same bits as ``nvfp4.ieee_div``'s integer long division in the XLA reference) and
+``mul.rn.f32``. In interpret mode the kernel body is run by XLA, which gets the
+reference's arithmetic instead (``nvfp4.XLA_ARITH``).
 """
 
 from __future__ import annotations
@@ -16,19 +18,24 @@ from jax.experimental.pallas import triton as plgpu
 from quads_jax import nvfp4
 
 
-def _mul_rn(a, b):
-    a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
-    [out] = plgpu.elementwise_inline_asm(
-        "mul.rn.f32 $0, $1, $2;",
-        args=[a, b],
-        constraints="=r,r,r",
-        pack=1,
-        result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)],
-    )
-    return out
+def _ptx_binary(op: str):
+    """A float32 binary op as one PTX instruction (``op`` like ``"mul.rn.f32"``)."""
+
+    def f(a, b):
+        a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
+        [out] = plgpu.elementwise_inline_asm(
+            f"{op} $0, $1, $2;",
+            args=[a, b],
+            constraints="=r,r,r",
+            pack=1,
+            result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)],
+        )
+        return out
+
+    return f
 
 
-TRITON_ARITH = nvfp4.Arith(div=lambda a, b: nvfp4.ieee_div(a, b, unroll=True), opaque=lambda x: x, mul=_mul_rn)
+TRITON_ARITH = nvfp4.Arith(div=_ptx_binary("div.rn.f32"), opaque=lambda x: x, mul=_ptx_binary("mul.rn.f32"))
 
 
 def load_even_odd(ref, rows, start, width, mask, interpret, other=0):

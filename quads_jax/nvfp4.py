@@ -59,7 +59,7 @@ def _mantissa_exponent(v):
     return (bits & 0x7FFFFF) | 0x800000, ((bits >> 23) & 0xFF) - 127
 
 
-def ieee_div(a, b, unroll: bool = False):
+def ieee_div(a, b):
     """Correctly rounded float32 ``a / b`` for a >= 0 and b > 0, by integer long division.
 
     XLA on the GPU and Triton both divide float32 approximately (off by an ulp now and
@@ -82,16 +82,9 @@ def ieee_div(a, b, unroll: bool = False):
         ge = rem >= mb
         return (q << 1) | ge.astype(jnp.int32), jnp.where(ge, rem - mb, rem) << 1
 
-    # A loop, not 25 unrolled steps, under XLA: its fusion of the unrolled chain duplicates
-    # it into every consumer and compiles for minutes. Triton kernels unroll (a rolled
-    # loop per element costs 3-4x in the GEMM).
-    carry = (jnp.zeros_like(ma), rem)
-    if unroll:  # Pallas-Triton cannot lower an unrolled scan: unroll in Python
-        for i in range(25):
-            carry = step(i, carry)
-    else:
-        carry = jax.lax.fori_loop(0, 25, step, carry)
-    q, rem = carry
+    # A loop, not 25 unrolled steps: XLA's fusion duplicates an unrolled chain into every
+    # consumer and compiles for minutes. (Triton kernels use PTX div.rn.f32 instead.)
+    q, rem = jax.lax.fori_loop(0, 25, step, (jnp.zeros_like(ma), rem))
     mant, rbit = q >> 1, q & 1
     up = (rbit == 1) & ((rem != 0) | ((mant & 1) == 1))
     mant = mant + up.astype(jnp.int32)
