@@ -155,7 +155,7 @@ def numerics():
     na = np.exp(rng.uniform(-8, 12, 1 << 20)).astype(np.float32)
     nb = np.exp(rng.uniform(-8, 12, 1 << 20)).astype(np.float32)
     want = (na / nb).view(np.uint32)
-    out["xla_gpu_true_div_mismatch_of_1M"] = int((np.asarray(jax.jit(F.true_div)(na, nb)).view(np.uint32) != want).sum())
+    out["xla_gpu_long_div_mismatch_of_1M"] = int((np.asarray(jax.jit(F.long_div)(na, nb)).view(np.uint32) != want).sum())
     out["xla_gpu_plain_div_mismatch_of_1M"] = int((np.asarray(jax.jit(lambda u, v: u / v)(na, nb)).view(np.uint32) != want).sum())
     out["xla_gpu_ieee_div_mismatch_of_1M"] = int((np.asarray(jax.jit(F.ieee_div)(na, nb)).view(np.uint32) != want).sum())
     trap = jax.jit(lambda a: a.astype(jnp.float4_e2m1fn).astype(jnp.float32))(jnp.float32(0.3))

@@ -33,7 +33,7 @@ class FP8Tensor:
 
 
 def _round(x, scale):
-    v = jnp.clip(nvfp4.true_div(x.astype(jnp.float32), scale), -E4M3_MAX, E4M3_MAX)
+    v = jnp.clip(nvfp4.ieee_div(x.astype(jnp.float32), scale), -E4M3_MAX, E4M3_MAX)
     q = nvfp4.round_e4m3(jnp.abs(v))
     return jnp.where(v < 0, -q, q)
 
@@ -43,7 +43,7 @@ def quantize(x, axis: int = -1) -> FP8Tensor:
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"x: expected a floating-point array, got dtype {x.dtype}")
     amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axis, keepdims=True)
-    scale = jnp.where(amax > 0, nvfp4.true_div(amax, E4M3_MAX), 1.0)
+    scale = jnp.where(amax > 0, nvfp4.ieee_div(amax, E4M3_MAX), 1.0)
     q = _round(x, scale)
     return FP8Tensor(values=q.astype(jnp.float8_e4m3fn), scale=scale)
 

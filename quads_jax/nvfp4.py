@@ -60,12 +60,29 @@ def _mantissa_exponent(v):
 
 
 def ieee_div(a, b):
-    """Correctly rounded float32 ``a / b`` for a >= 0 and b > 0, by integer long division.
+    """Correctly rounded float32 ``a / b`` (IEEE round to nearest even), on every backend.
 
-    XLA on the GPU and Triton both divide float32 approximately (off by an ulp now and
-    then), and XLA on the CPU rewrites divisions by broadcast scalars into reciprocal
-    multiplies. The NVFP4 recipe's three divisions decide codes at rounding boundaries, so
-    they are done here in int32 arithmetic, identical on every backend and in kernels:
+    Plain float32 division is not: XLA on the H200 divides approximately (30% of random
+    quotients one ulp off, measured in benchmarks/results), Triton emits ``div.full.f32``,
+    and XLA on the CPU rewrites a division by a broadcast scalar into a reciprocal
+    multiply. The NVFP4 recipe's divisions decide codes at rounding boundaries, so they go
+    through float64 here: float32 operands are exact in float64, the float64 quotient is
+    correctly rounded, and rounding it to float32 is then exact too (53 >= 2 * 24 + 2
+    bits, so double rounding cannot err for a quotient). The divisor is a full-shape
+    value behind an optimization barrier, so no reciprocal rewrite applies. Kernels use
+    PTX ``div.rn.f32`` instead (``pallas_kernels.tile_math``); ``long_div`` is an
+    independent int32 check.
+    """
+    a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
+    with jax.enable_x64(True):
+        b64 = jax.lax.optimization_barrier(b.astype(jnp.float64))
+        return (a.astype(jnp.float64) / b64).astype(jnp.float32)
+
+
+def long_div(a, b):
+    """Correctly rounded float32 ``a / b`` for a >= 0 and b > 0 by int32 long division.
+
+    The independent cross-check of ``ieee_div`` (tests and the GPU bench compare them):
     25 shift-subtract steps give 24 quotient bits and a round bit, then round half to even.
     Zero numerators give 0; results outside the normal float32 range, subnormal or
     non-finite operands fall back to the hardware division (never hit by the recipe,
@@ -94,19 +111,6 @@ def ieee_div(a, b):
     fine = (ea > -127) & (ea < 128) & (eb > -127) & (eb < 128) & (e > -126) & (e < 128)
     out = jnp.where(fine, exact, a / b)
     return jnp.where(a == 0, jnp.zeros_like(a), out)
-
-
-def true_div(a, b):
-    """``a / b`` rounded as one IEEE division per element.
-
-    XLA's simplifier rewrites a division by a broadcast scalar (a constant or not) into a
-    multiplication by its reciprocal, one ulp off for about a fifth of inputs, so jit and a
-    numpy / CUDA reference would disagree. A full-shape divisor behind an optimization
-    barrier keeps the division as written.
-    """
-    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
-    shape = jnp.broadcast_shapes(a.shape, b.shape)
-    return jnp.broadcast_to(a, shape) / jax.lax.optimization_barrier(jnp.broadcast_to(b, shape))
 
 
 _RNE_MAGIC = 2.0**23  # (q + 2**23) - 2**23 rounds 0 <= q < 2**22 to an integer, ties to even
@@ -347,7 +351,10 @@ def quantize_blocks(xb, amax16, gs, *, block_max=E2M1_MAX, key=None, arith: Arit
     v = jnp.where(v == v, v, 0.0)  # NaN -> 0 (its block scale is already NaN)
     a = jnp.abs(v)
     q = round_e2m1(a, key, arith)
-    return jnp.where(v < 0, -q, jnp.where(v == 0, v, q)), s
+    # v's sign bit onto q, as a hardware cast keeps it (-0.001 -> -0, code 8). Not ``-q``:
+    # Pallas-Triton lowers negation as 0 - q, which turns -0 into +0.
+    sign = jax.lax.bitcast_convert_type(v, jnp.int32) & jnp.int32(-(2**31))
+    return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(q, jnp.int32) | sign, jnp.float32), s
 
 
 def quantize(

@@ -289,3 +289,19 @@ def test_property_error_bound_and_exactness(x):
     # the error is at most 2**-6 * global_scale.
     bound = np.maximum(amax16 / 6 * (1 + 1 / 16), 2**-6 * gs) * (1 + 1e-6)
     assert np.all(np.abs(dq - x) <= bound)
+
+
+@pytest.mark.parametrize("div", ["ieee_div", "long_div"])
+def test_division_is_correctly_rounded_under_jit(div):
+    """Both exact divisions equal numpy's IEEE float32 division bit for bit, under jit,
+    including a broadcast scalar divisor (which XLA:CPU would turn into a reciprocal
+    multiply) and quotients at the ends of the recipe's range."""
+    rng = np.random.default_rng(11)
+    a = np.exp(rng.uniform(-9, 12, 200_000)).astype(np.float32)
+    b = np.exp(rng.uniform(-9, 12, 200_000)).astype(np.float32)
+    f = getattr(F, div)
+    got = np.asarray(jax.jit(f)(a, b))
+    np.testing.assert_array_equal(got.view(np.uint32), (a / b).view(np.uint32))
+    got = np.asarray(jax.jit(lambda u: f(u, np.float32(2688.0)))(a))
+    np.testing.assert_array_equal(got.view(np.uint32), (a / np.float32(2688.0)).view(np.uint32))
+    np.testing.assert_array_equal(np.asarray(f(np.float32(0.0), np.float32(3.0))), 0.0)
