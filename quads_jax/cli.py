@@ -6,6 +6,8 @@
     quads compare --config configs/tiny_cpu.yaml --out runs/cmp --recipes bf16,nvfp4_naive,quads
     quads plot  runs/a runs/b --out runs/compare.png
     quads demo                                                       # NVFP4 error table
+    quads serve --config configs/tiny_cpu.yaml --recipe quads --port 30000   # SGLang-API rollout server
+    quads export --config configs/tiny_cpu.yaml --checkpoint runs/tiny/base --out exports/x [--nvfp4]
 """
 
 from __future__ import annotations
@@ -139,6 +141,29 @@ def cmd_demo(a):
     print(_table(rows, ["format", "rel_l2_err", "bits_per_elem"]))
 
 
+def cmd_serve(a):
+    from rollout.server import serve
+
+    serve(a.config, host=a.host, port=a.port, checkpoint=a.checkpoint, recipe=a.recipe, max_batch=a.max_batch,
+          max_len=a.max_len, overrides=_overrides(a.set))
+
+
+def cmd_export(a):
+    from rollout import bridge
+    from rollout.server import job_model
+
+    cfg, _ = job_model(a.config, _overrides(a.set))
+    if a.checkpoint and bridge.is_orbax_dir(a.checkpoint):
+        params, _ = bridge.restore_params(a.checkpoint, cfg)
+    elif a.checkpoint:
+        params = bridge.load_hf_params(a.checkpoint, cfg)
+    else:
+        raise SystemExit("export: --checkpoint DIR is required (an orbax checkpoint or an HF directory)")
+    out = (bridge.export_modelopt_nvfp4(cfg, params, a.out, recipe=a.recipe) if a.nvfp4
+           else bridge.export_hf(cfg, params, a.out))
+    print(f"[quads export] wrote {out}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="quads", description="RL of MoE LMs with NVFP4 rollouts (QUADS)")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -166,6 +191,22 @@ def main(argv=None):
     p.add_argument("runs", nargs="+")
     p.add_argument("--out", default="runs/plot.png")
     p.set_defaults(fn=cmd_plot)
+    p = sub.add_parser("serve", help="rollout server with SGLang's HTTP API")
+    p.add_argument("--config", default="configs/tiny_cpu.yaml")
+    p.add_argument("--checkpoint", default=None, help="orbax checkpoint or HF directory (default: random init)")
+    p.add_argument("--recipe", default="quads", help="bf16 | fp8 | nvfp4 | quads | w4a16")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--max-batch", type=int, default=32)
+    p.add_argument("--max-len", type=int, default=None)
+    p.add_argument("--set", nargs="*")
+    p.set_defaults(fn=cmd_serve)
+    p = sub.add_parser("export", help="export a checkpoint as HF safetensors (BF16, or NVFP4 ModelOpt layout)")
+    common(p, "exports/model")
+    p.add_argument("--checkpoint", default=None)
+    p.add_argument("--nvfp4", action="store_true")
+    p.add_argument("--recipe", default="quads")
+    p.set_defaults(fn=cmd_export)
     p = sub.add_parser("demo", help="quantize a tensor to NVFP4 and print the error table")
     p.set_defaults(fn=cmd_demo)
     a = ap.parse_args(argv)

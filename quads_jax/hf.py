@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from quads_jax import nvfp4
 from quads_jax.model import config as C
 from quads_jax.model.transformer import Transformer
 
@@ -44,6 +45,7 @@ class TensorSource:
             if not files:
                 raise FileNotFoundError(f"no *.safetensors files in {path}")
             wm = None
+        self._path = path
         self._handles = {f: safe_open(os.path.join(path, f), framework="flax") for f in files}
         self._where = {}
         for f, h in self._handles.items():
@@ -60,7 +62,10 @@ class TensorSource:
     def get(self, key: str):
         if key not in self._where:
             raise KeyError(f"tensor {key!r} not found in the checkpoint")
-        return self._handles[self._where[key]].get_tensor(key)
+        try:
+            return self._handles[self._where[key]].get_tensor(key)
+        except AttributeError:  # numpy has no float8: read the raw bytes (ModelOpt scales)
+            return _read_raw(os.path.join(self._path, self._where[key]), key)
 
     def keys(self):
         return self._where.keys()
@@ -91,6 +96,26 @@ def _names(cfg: C.ModelConfig) -> dict[tuple, tuple]:
             for ours, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
                 out[("layers", i, "mlp", ours, "w")] = ("one", p + f"mlp.{theirs}.weight")
     return out
+
+
+_RAW_DTYPES = {"F8_E4M3": "float8_e4m3fn", "U8": "uint8", "F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+def _read_raw(file: str, key: str):
+    """One tensor from a safetensors file by its header (for dtypes numpy lacks)."""
+    import ml_dtypes
+
+    with open(file, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        meta = json.loads(f.read(n))[key]
+        lo, hi = meta["data_offsets"]
+        f.seek(8 + n + lo)
+        buf = f.read(hi - lo)
+    name = _RAW_DTYPES.get(meta["dtype"])
+    if name is None:
+        raise ValueError(f"tensor {key!r}: unsupported safetensors dtype {meta['dtype']}")
+    dt = getattr(ml_dtypes, name, None) or np.dtype(name)
+    return jnp.asarray(np.frombuffer(buf, dtype=dt).reshape(meta["shape"]))
 
 
 def _read_experts(src: TensorSource, spec, n_experts: int, ffn: int):
@@ -128,18 +153,43 @@ def load_qwen3_moe(path: str, dtype=jnp.bfloat16, *, param_dtype=jnp.float32, pr
     return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
+def _expert(v, e: int):
+    """Expert ``e`` of a stacked [E, ...] weight (float array or per-expert NVFP4Tensor)."""
+    if isinstance(v, nvfp4.NVFP4Tensor):
+        gs = jnp.asarray(v.global_scale)
+        return nvfp4.NVFP4Tensor(codes=v.codes[e], scales=v.scales[e], global_scale=gs[e] if gs.ndim else gs,
+                                 shape=v.shape[1:], axis=v.axis - 1)
+    return v[e]
+
+
+def _tensor_entries(name: str, v, dtype):
+    """HF entries of one weight: ``name`` in ``dtype``, or for an NVFP4 weight the ModelOpt
+    triple ``.weight`` (uint8 [N, K/2]), ``.weight_scale`` (E4M3 [N, K/16]) and
+    ``.weight_scale_2`` (float32 global scale)."""
+    if isinstance(v, nvfp4.NVFP4Tensor):
+        base = name[: -len(".weight")]
+        m = nvfp4.to_modelopt(v)
+        yield base + ".weight", m["weight"]
+        yield base + ".weight_scale", m["weight_scale"]
+        yield base + ".weight_scale_2", jnp.asarray(m["weight_scale_2"], jnp.float32).reshape(())
+    else:
+        yield name, jnp.asarray(v, dtype)
+
+
 def hf_tensors(model: Transformer, dtype=jnp.bfloat16) -> Iterator[tuple[str, jax.Array]]:
-    """(HF name, array) pairs in the on-disk layout (per-expert keys), one at a time."""
+    """(HF name, array) pairs in the on-disk layout (per-expert keys), one at a time.
+    Weights a rollout recipe has quantized to NVFP4 come out in the ModelOpt layout."""
     cfg = model.cfg
     names = _names(cfg)
     for p, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         spec = names[tuple(p)]
         v = var.get_value()
         if spec[0] == "one":
-            yield spec[1], jnp.asarray(v, dtype)
+            yield from _tensor_entries(spec[1], v, dtype)
         else:
-            for e in range(v.shape[0]):
-                yield spec[1].format(e=e), jnp.asarray(v[e], dtype)
+            n = v.shape[0]
+            for e in range(n):
+                yield from _tensor_entries(spec[1].format(e=e), _expert(v, e), dtype)
 
 
 def export_qwen3_moe(model: Transformer, out_dir: str, *, dtype=jnp.bfloat16, shard_bytes: int = 2 << 30,

@@ -81,6 +81,7 @@ class Engine:
                  max_len: int | None = None, eos_token_id: int | None = None, prefill_bucket: int = 32):
         self.cfg = cfg
         self.recipe = P.rollout_recipe(recipe) if isinstance(recipe, str) else recipe
+        self.recipe_name = recipe if isinstance(recipe, str) else "custom"
         self.max_batch = int(max_batch)
         self.max_len = int(max_len or cfg.max_seq_len)
         if self.max_len > cfg.max_seq_len:
@@ -125,10 +126,11 @@ class Engine:
         return tok, lp, cache, experts
 
     # -- generation
-    def generate(self, requests: Sequence[Request]) -> list[Result]:
-        if not hasattr(self, "_state"):
-            raise RuntimeError("Engine.generate: no weights loaded (call load(params) first)")
+    def validate(self, requests: Sequence[Request]) -> None:
+        """ValueError naming the first request that cannot run (empty prompt, too long, bad ids)."""
         for i, r in enumerate(requests):
+            if r.max_new_tokens < 1:
+                raise ValueError(f"requests[{i}].max_new_tokens={r.max_new_tokens}: expected >= 1")
             if len(r.prompt) == 0:
                 raise ValueError(f"requests[{i}].prompt: expected at least one token")
             if len(r.prompt) + r.max_new_tokens > self.max_len:
@@ -137,6 +139,11 @@ class Engine:
             bad = [t for t in r.prompt if not 0 <= int(t) < self.cfg.vocab_size]
             if bad:
                 raise ValueError(f"requests[{i}].prompt: token ids {bad[:5]} outside [0, {self.cfg.vocab_size})")
+
+    def generate(self, requests: Sequence[Request]) -> list[Result]:
+        if not hasattr(self, "_state"):
+            raise RuntimeError("Engine.generate: no weights loaded (call load(params) first)")
+        self.validate(requests)
         with self._lock:
             return self._run(list(requests), self._state, self.version)
 
