@@ -1,0 +1,127 @@
+"""The SGLang method's torch numerics equal the JAX reference on the same weights (CPU)."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is needed for the SGLang plugin's numerics")
+
+from quads_jax import nvfp4 as F
+from quads_jax import precision as P
+from pallas_kernels import nvfp4_grouped_matmul, nvfp4_matmul
+from rollout import sglang_plugin
+from rollout.sglang_plugin import launcher
+from rollout.sglang_plugin import numerics as N
+
+
+def _modelopt_torch(t: F.NVFP4Tensor):
+    m = F.to_modelopt(t)
+    w = torch.from_numpy(np.array(m["weight"]))
+    s = torch.from_numpy(np.array(m["weight_scale"]).view(np.uint8)).view(torch.float8_e4m3fn)
+    return w, s, float(np.asarray(m["weight_scale_2"]).reshape(()))
+
+
+def _act(rng, t, k):
+    x = (rng.standard_normal((t, k)) * np.exp(rng.standard_normal((t, 1)))).astype(np.float32)
+    xb = jnp.asarray(x).astype(jnp.bfloat16)
+    return xb, torch.from_numpy(np.array(xb.astype(jnp.float32))).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("rho", [0.0, 0.125, 0.5, 1.0])
+def test_torch_linear_equals_jax_reference_bitwise(rho):
+    rng = np.random.default_rng(int(rho * 8) + 1)
+    xb, xt = _act(rng, 37, 256)
+    wq = P.quantize_weight(jnp.asarray(rng.standard_normal((96, 256)).astype(np.float32)))
+    want = np.asarray(nvfp4_matmul(xb, wq, rac_ratio=rho, act_scale="token", backend="xla", out_dtype=jnp.float32))
+    got = N.quads_linear(xt, *_modelopt_torch(wq), rac_ratio=rho, out_dtype=torch.float32).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())  # accumulation order only
+    w4a16 = np.asarray(nvfp4_matmul(xb, wq, mode="w4a16", backend="xla", out_dtype=jnp.float32))
+    got16 = N.quads_linear(xt, *_modelopt_torch(wq), mode="w4a16", out_dtype=torch.float32).numpy()
+    np.testing.assert_allclose(got16, w4a16, rtol=1e-6, atol=1e-6 * np.abs(w4a16).max())
+
+
+def test_torch_activation_codes_equal_jax_quantizer():
+    from pallas_kernels import quantize_activations_rac
+
+    rng = np.random.default_rng(5)
+    xb, xt = _act(rng, 64, 512)
+    xq, rq = quantize_activations_rac(xb, rac_ratio=0.5, act_scale="token", backend="xla")
+    (xv, gx), (rv, gr) = N.rac_operands(xt, 0.5)
+    np.testing.assert_array_equal(xv.numpy(), np.asarray(F.block_values(xq)))
+    np.testing.assert_array_equal(rv.numpy(), np.asarray(F.block_values(rq)))
+    np.testing.assert_array_equal(gx.numpy().view(np.uint32), np.asarray(xq.global_scale).view(np.uint32))
+    np.testing.assert_array_equal(gr.numpy().view(np.uint32), np.asarray(rq.global_scale).view(np.uint32))
+    # ties: E2M1 rounding in torch equals the format's table
+    a = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    assert N.round_e2m1(a).tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0]
+
+
+def test_torch_grouped_and_moe_equal_jax_with_empty_experts():
+    from quads_jax.model.moe import moe_ffn
+
+    rng = np.random.default_rng(7)
+    e, d, f, t, k = 6, 128, 64, 21, 2
+    ids = np.stack([rng.choice([0, 2, 3, 5], 2, replace=False) for _ in range(t)]).astype(np.int32)  # experts 1, 4 empty
+    wts = rng.uniform(0.1, 1.0, (t, k)).astype(np.float32)
+    xb, xt = _act(rng, t, d)
+    mk = lambda *s: P.quantize_weight(jnp.asarray(rng.standard_normal(s).astype(np.float32) * 0.1))
+    wg, wu, wd = mk(e, f, d), mk(e, f, d), mk(e, d, f)
+    per_expert = lambda w: [_modelopt_torch(F.NVFP4Tensor(codes=w.codes[i], scales=w.scales[i],
+                                                          global_scale=jnp.asarray(w.global_scale)[i].reshape(()),
+                                                          shape=w.shape[1:], axis=1)) for i in range(e)]
+    prec = P.rollout_recipe("quads")
+    want = np.asarray(moe_ffn(xb, jnp.asarray(ids), jnp.asarray(wts), wg, wu, wd, prec, jnp.bfloat16), np.float32)
+    got = N.quads_moe(xt, torch.from_numpy(ids).long(), torch.from_numpy(wts), per_expert(wg), per_expert(wu), per_expert(wd),
+                      rac_ratio=prec.rac_ratio).float().numpy()
+    np.testing.assert_allclose(got, want, rtol=2e-2, atol=2e-2 * np.abs(want).max())  # BF16 intermediates
+    assert np.mean(got == want) > 0.95
+    sizes = np.bincount(ids.reshape(-1), minlength=e).astype(np.int32)
+    xs, xst = _act(rng, int(sizes.sum()), d)
+    g = np.asarray(nvfp4_grouped_matmul(xs, wg, jnp.asarray(sizes), rac_ratio=0.5, act_scale="token", backend="xla", out_dtype=jnp.float32))
+    gt = N.quads_grouped_linear(xst, torch.from_numpy(sizes), per_expert(wg), rac_ratio=0.5, out_dtype=torch.float32).numpy()
+    np.testing.assert_allclose(gt, g, rtol=1e-6, atol=1e-6 * np.abs(g).max())
+
+
+def test_export_to_torch_round_trip_and_launcher(tmp_path):
+    from flax import nnx
+    from quads_jax.model import ModelConfig, Transformer
+    from quads_jax.train.state import split_params
+    from rollout import bridge
+
+    cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=16, n_experts=4,
+                      experts_per_token=2, expert_ffn=32, max_seq_len=32, compute_dtype="float32")
+    params = split_params(Transformer(cfg, rngs=nnx.Rngs(0)))[1]
+    out = bridge.export_modelopt_nvfp4(cfg, params, str(tmp_path / "nvfp4"))
+    from safetensors.torch import load_file
+    shard = [f for f in os.listdir(out) if f.endswith(".safetensors")][0]
+    st = load_file(os.path.join(out, shard))
+    name = "model.layers.0.self_attn.o_proj"
+    wt = (st[name + ".weight"], st[name + ".weight_scale"], float(st[name + ".weight_scale_2"]))
+    assert wt[0].dtype == torch.uint8 and wt[1].dtype == torch.float8_e4m3fn
+    rng = np.random.default_rng(0)
+    xb, xt = _act(rng, 5, 64)
+    want = np.asarray(nvfp4_matmul(xb, P.quantize_weight(params["layers/0/attn/o/w"]), rac_ratio=0.5, act_scale="token",
+                                   backend="xla", out_dtype=jnp.float32))
+    np.testing.assert_allclose(N.quads_linear(xt, *wt, out_dtype=torch.float32).numpy(), want, rtol=1e-6, atol=1e-6)
+    assert launcher.read_rac_ratio(out) == 0.5
+    cmd = launcher.launch_command(out, port=31000, tp=2, python="python3")
+    assert cmd[:3] == ["python3", "-m", "rollout.sglang_plugin.launcher"] and "--quantization" in cmd
+    assert cmd[cmd.index("--quantization") + 1] == "quads_nvfp4" and cmd[cmd.index("--tp-size") + 1] == "2"
+    bridge.export_hf(cfg, params, str(tmp_path / "bf16"))
+    with pytest.raises(ValueError, match="NVFP4 export"):
+        launcher.launch_command(str(tmp_path / "bf16"))
+
+
+@pytest.mark.skipif(sglang_plugin.sglang_available(), reason="sglang is installed: the registration test below runs instead")
+def test_register_without_sglang_says_why():
+    with pytest.raises(ImportError, match="sglang is not installed"):
+        sglang_plugin.register()
+
+
+@pytest.mark.skipif(not sglang_plugin.sglang_available(), reason="sglang is not installed here (it cannot be on these machines)")
+def test_register_with_sglang():
+    cls = sglang_plugin.register()
+    assert cls.get_name() == "quads_nvfp4"
