@@ -6,16 +6,21 @@
 It builds a mesh, initialises a small MoE directly sharded on it, trains it on a toy
 copy task with the QUADS trainer policy (NVFP4 weight QAT) through the jitted sharded
 train step, checkpoints with orbax, restores the last step and checks that the loss fell.
+
+Multi-host: start one copy per process with the same arguments plus
+``--coordinator HOST:PORT --num-processes N --process-id I`` (or the QUADS_* environment
+variables); the mesh then spans every process's devices and orbax writes one checkpoint.
 """
 
 import argparse
+import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from quads_jax import precision, sharding
+from quads_jax import distributed, precision, sharding
 from quads_jax.model import ModelConfig, Transformer
 from quads_jax.train.checkpoint import Checkpointer
 from quads_jax.train.losses import sft_loss
@@ -35,9 +40,14 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--out", default="/tmp/quads_example")
+    ap.add_argument("--coordinator", default=None)
+    ap.add_argument("--num-processes", type=int, default=None)
+    ap.add_argument("--process-id", type=int, default=None)
+    ap.add_argument("--losses-json", default=None, help="write the per-step losses here (process 0)")
     a = ap.parse_args()
+    distributed.initialize(a.coordinator, a.num_processes, a.process_id)
 
-    n = len(jax.devices())
+    n = len(jax.devices())  # global: every process's devices
     mesh = sharding.make_mesh({"data": 2 if n % 2 == 0 else 1, "fsdp": -1})
     cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
                       n_experts=4, experts_per_token=2, expert_ffn=64, compute_dtype="float32")
@@ -61,9 +71,13 @@ def main():
     ckpt.wait()
 
     restored = ckpt.restore(state)  # onto the same shardings
-    same = all(np.array_equal(np.asarray(restored.params[k]), np.asarray(state.params[k])) for k in state.params)
+    equal = jax.jit(lambda a, b: jnp.all(jnp.stack([jnp.array_equal(a[k], b[k]) for k in a])))  # works across hosts
+    same = bool(equal(restored.params, state.params))
     ckpt.close()
-    print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f}; restored step {int(restored.step)} identical: {same}")
+    print(f"[process {jax.process_index()}/{jax.process_count()}] loss {losses[0]:.3f} -> {losses[-1]:.3f}; "
+          f"restored step {int(restored.step)} identical: {same}")
+    if a.losses_json and distributed.is_coordinator():
+        json.dump({"losses": losses, "devices": n, "processes": jax.process_count()}, open(a.losses_json, "w"))
     assert losses[-1] < losses[0] and same
 
 

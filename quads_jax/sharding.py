@@ -77,5 +77,19 @@ def batch_sharding(mesh: Mesh, ndim: int = 2, leading: int = 0) -> NamedSharding
     return NamedSharding(mesh, PartitionSpec(*spec))
 
 
+def global_batch(batch, shardings):
+    """Host batch arrays (the same full batch on every process) -> global jax.Arrays with
+    ``shardings``: each process places only its addressable shards. Single-process input
+    passes through unchanged (jit shards it)."""
+    if jax.process_count() == 1:
+        return batch
+
+    def put(x, s):
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, s, lambda idx: x[idx])
+
+    return jax.tree.map(put, batch, shardings)
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, PartitionSpec())

@@ -28,6 +28,7 @@ from quads_jax.rl import grpo as G
 from quads_jax.rl.tasks import get_task
 from quads_jax.rl.tokenizer import CharTokenizer
 from quads_jax.train.checkpoint import Checkpointer
+from quads_jax.train import flops as FL
 from quads_jax.train.losses import sft_loss
 from quads_jax.train.state import OptimConfig, init_state, make_optimizer, make_train_step, split_params, to_model
 from rollout.engine import Engine, Request
@@ -138,7 +139,7 @@ def run_sft(cfg: JobConfig, out_dir: str, *, log=print):
     step = make_train_step(graphdef, tx, sft_loss())
     train = task.split("train", cfg.train_n, cfg.seed)
     rng = np.random.default_rng(cfg.seed)
-    writer = MW.MetricsWriter(out_dir, ["step", "loss", "ce", "grad_norm", "tokens_per_s", "pass_at_1"],
+    writer = MW.MetricsWriter(out_dir, ["step", "loss", "ce", "grad_norm", "tokens_per_s", "mfu", "pass_at_1"],
                               filename="sft_metrics.csv")
     sc = cfg.sft
     engine = None
@@ -146,17 +147,18 @@ def run_sft(cfg: JobConfig, out_dir: str, *, log=print):
         engine = Engine(mcfg, recipe="bf16", max_batch=64, max_len=sc.seq_len, eos_token_id=tok.eos_id)
         held = task.split("test", sc.eval_n, cfg.seed + 1000)
     bar = tqdm(range(sc.steps), desc="sft", dynamic_ncols=True, mininterval=1.0)
-    t0 = time.perf_counter()
+    t0, since = time.perf_counter(), 0
     for i in bar:
         batch = D.sft_batch(tok, [train[j] for j in rng.integers(0, len(train), sc.batch)], sc.seq_len)
         state, m = step(state, {k: jnp.asarray(v) for k, v in batch.items()})
+        since += 1
         row = None
         if i % 10 == 0 or i == sc.steps - 1:
-            m = jax.device_get(m)
-            tps = float(m["tokens"]) * 10 / max(time.perf_counter() - t0, 1e-9)
-            t0 = time.perf_counter()
-            row = {**m, "tokens_per_s": tps}
-            bar.set_postfix(loss=f"{float(m['loss']):.3f}")
+            m = jax.device_get(m)  # waits for the step: the time covers the steps since the last row
+            tps = float(m["tokens"]) * since / max(time.perf_counter() - t0, 1e-9)
+            t0, since = time.perf_counter(), 0
+            row = {**m, "tokens_per_s": tps, "mfu": FL.mfu(tps, mcfg, sc.seq_len)}
+            bar.set_postfix(loss=f"{float(m['loss']):.3f}", tok_s=f"{tps:.0f}")
         if engine is not None and i > 0 and i % sc.eval_every == 0:
             engine.load(state.params, version=i)
             acc = evaluate(engine, task, tok, held, cfg.rl.max_new_tokens)

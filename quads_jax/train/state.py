@@ -186,8 +186,8 @@ def make_train_step(graphdef, tx: optax.GradientTransformation, loss_fn: Callabl
             ss = state_shardings(state, mesh, axes)
             bs = jax.tree.map(lambda x: S.batch_sharding(mesh, x.ndim, 1 if grad_accum > 1 else 0), batch)
             cache["fn"] = jax.jit(step, in_shardings=(ss, bs), out_shardings=(ss, S.replicated(mesh)), **kw)
-            cache["ss"] = ss
-        return cache["fn"](state, batch)
+            cache["ss"], cache["bs"] = ss, bs
+        return cache["fn"](state, S.global_batch(batch, cache["bs"]))
 
     sharded.shardings = lambda state: state_shardings(state, mesh, axes)
     return sharded

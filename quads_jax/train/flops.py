@@ -1,0 +1,38 @@
+"""Model FLOPs per token and MFU (model FLOPs utilisation) against the device's peak.
+
+Training FLOPs per token = 6 * active parameters (forward + backward matmuls) plus the
+attention scores and values, 12 * layers * heads * head_dim * context (the PaLM appendix
+convention; causal masking is not discounted). Peak: the dense BF16 tensor-core rate of
+known devices, or ``QUADS_PEAK_FLOPS`` (e.g. for a CPU, where there is no fixed number).
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "B200": 2250e12, "GB200": 2500e12, "L40S": 362e12}
+
+
+def flops_per_token(cfg, seq_len: int, *, training: bool = True) -> float:
+    attn = 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
+    dense = 6 * cfg.param_counts()["active"]
+    return float(dense + attn) if training else float(dense + attn) / 3
+
+
+def peak_flops(device=None) -> float | None:
+    env = os.environ.get("QUADS_PEAK_FLOPS")
+    if env:
+        return float(env)
+    kind = (device or jax.devices()[0]).device_kind
+    for name, v in PEAK_BF16.items():
+        if name.lower() in kind.lower():
+            return v
+    return None
+
+
+def mfu(tokens_per_s: float, cfg, seq_len: int, device=None) -> float:
+    """Fraction of the peak; NaN where the peak is unknown (CPU without QUADS_PEAK_FLOPS)."""
+    peak = peak_flops(device)
+    return float("nan") if not peak else tokens_per_s * flops_per_token(cfg, seq_len) / peak
