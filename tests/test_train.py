@@ -208,3 +208,23 @@ def test_expert_parallel_model_forward_and_grad():
     g0 = nnx.grad(lambda m: m(t).sum())(m)
     np.testing.assert_allclose(np.asarray(g["layers"][0]["moe"]["w_up"].get_value()),
                                np.asarray(g0["layers"][0]["moe"]["w_up"].get_value()), rtol=1e-3, atol=1e-4)
+
+
+def test_flops_mfu_and_distributed_settings(monkeypatch):
+    from quads_jax import distributed
+    from quads_jax.model import ModelConfig
+    from quads_jax.train import flops
+
+    cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, n_experts=4,
+                      experts_per_token=2, expert_ffn=64)
+    want = 6 * cfg.param_counts()["active"] + 12 * 2 * 4 * 16 * 128
+    assert flops.flops_per_token(cfg, 128) == want
+    monkeypatch.delenv("QUADS_PEAK_FLOPS", raising=False)
+    assert np.isnan(flops.mfu(1000.0, cfg, 128))  # a CPU has no listed peak
+    monkeypatch.setenv("QUADS_PEAK_FLOPS", "1e12")
+    assert flops.mfu(1000.0, cfg, 128) == pytest.approx(1000.0 * want / 1e12)
+    assert distributed.initialize() is False  # nothing configured: single process, no-op
+    with pytest.raises(ValueError, match="missing"):
+        distributed.initialize(num_processes=2, process_id=0)
+    with pytest.raises(ValueError, match="QUADS_NUM_PROCESSES"):
+        distributed.settings_from_env({"QUADS_NUM_PROCESSES": "two"})
