@@ -59,10 +59,7 @@ def _base_policy(cfg, out_dir):
         params = ck.restore_params(like)
     else:
         graphdef, params, mcfg = loop.run_sft(cfg, out_dir)
-        from quads_jax.train.state import TrainState
-        import jax.numpy as jnp
-        ck.save(TrainState(params=params, opt_state={}, step=jnp.int32(1), skipped=jnp.int32(0),
-                           rng=jnp.zeros((2,), jnp.uint32)), force=True)
+        ck.save_params(params, step=1)
         ck.wait()
     ck.close()
     return graphdef, params, mcfg

@@ -102,3 +102,49 @@ class RolloutClient:
         return [{"output_ids": o["output_ids"], "logprobs": [lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]],
                  "finish_reason": o["meta_info"]["finish_reason"]["type"],
                  "weight_version": o["meta_info"].get("weight_version")} for o in outs]
+
+
+class RemoteRollout:
+    """A rollout server used like an in-process ``Engine``: ``load(params, version)`` writes a
+    params-only orbax step to ``sync_dir`` and asks the server to load it through
+    /update_weights_from_disk; ``generate(requests)`` sends the batch over /generate and
+    returns ``engine.Result`` objects. The RL loop takes either."""
+
+    def __init__(self, client: RolloutClient, sync_dir: str, *, precision=None):
+        self.client = client
+        self.sync_dir = sync_dir
+        self.version = None
+        if precision is not None:  # the server must quantize as the RL recipe says
+            import dataclasses
+
+            served = client.server_info().get("precision", {})
+            want = {k: v for k, v in dataclasses.asdict(precision).items() if k != "backend"}
+            diff = {k: (served.get(k), v) for k, v in want.items() if served.get(k) != v}
+            if diff:
+                raise ValueError(f"rollout server at {client.base_url} serves a different precision "
+                                 f"(field: (served, needed)) {diff}; start it with the RL recipe's --recipe")
+        from quads_jax.train.checkpoint import Checkpointer
+
+        self._ckpt = Checkpointer(sync_dir, save_every=1, max_to_keep=2, async_save=False)
+
+    def load(self, params: dict, version=None):
+        step = int(version) if isinstance(version, int) else (self._ckpt.latest_step() or 0) + 1
+        self._ckpt.save_params(params, step)
+        self._ckpt.wait()
+        self.client.update_weights_from_disk(self.sync_dir, weight_version=str(version if version is not None else step))
+        self.version = version
+
+    def generate(self, requests):
+        from rollout.engine import Result
+
+        sps = [{"max_new_tokens": r.max_new_tokens, "temperature": r.temperature, "top_p": r.top_p,
+                "top_k": r.top_k if r.top_k else -1, "seed": r.seed, "stop_token_ids": list(r.stop_token_ids),
+                "ignore_eos": r.ignore_eos} for r in requests]
+        outs = self.client.generate(input_ids=[list(map(int, r.prompt)) for r in requests], sampling_params=sps,
+                                    return_logprob=True)
+        return [Result(output_ids=o["output_ids"], logprobs=[lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]],
+                       finish_reason=o["meta_info"]["finish_reason"]["type"], prompt_tokens=o["meta_info"]["prompt_tokens"],
+                       weight_version=o["meta_info"].get("weight_version")) for o in outs]
+
+    def close(self):
+        self._ckpt.close()

@@ -61,6 +61,9 @@ class RLConfig:
     seq_len: int = 48
     grpo: dict = dataclasses.field(default_factory=dict)
     optim: dict = dataclasses.field(default_factory=dict)
+    # None: the engine in-process (weights synced as device arrays). A URL: a `quads serve` (or
+    # SGLang-API) server, synced each step through an orbax step in OUT/weight_sync.
+    rollout_url: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,8 +199,14 @@ def run_grpo(cfg: JobConfig, graphdef, params, mcfg, out_dir: str, *, log=print,
 
     step_fn = make_train_step(graphdef, tx, loss_fn)
     score = jax.jit(lambda p, t, a: token_logprobs(to_model(graphdef, p), t, a, precision=train_prec))
-    engine = Engine(mcfg, recipe=roll_prec, max_batch=min(64, rl.prompts_per_step * gcfg.group_size),
-                    max_len=rl.seq_len, eos_token_id=tok.eos_id)
+    if rl.rollout_url:
+        from rollout.client import RemoteRollout, RolloutClient
+
+        engine = RemoteRollout(RolloutClient(rl.rollout_url), os.path.join(os.path.abspath(out_dir), "weight_sync"),
+                               precision=roll_prec)
+    else:
+        engine = Engine(mcfg, recipe=roll_prec, max_batch=min(64, rl.prompts_per_step * gcfg.group_size),
+                        max_len=rl.seq_len, eos_token_id=tok.eos_id)
     train = task.split("train", cfg.train_n, cfg.seed)
     test = task.split("test", rl.eval_n, cfg.seed)
     rng = np.random.default_rng(cfg.seed + 7)
@@ -207,7 +216,7 @@ def run_grpo(cfg: JobConfig, graphdef, params, mcfg, out_dir: str, *, log=print,
     history = []
     for i in bar:
         t0 = time.perf_counter()
-        engine.load(state.params, version=i)  # in-process weight sync (quantized once by the engine)
+        engine.load(state.params, version=i)  # weight sync (the engine / server quantizes once per sync)
         t1 = time.perf_counter()
         row = {}
         if i % rl.eval_every == 0 or i == rl.steps:

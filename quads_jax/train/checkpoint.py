@@ -41,6 +41,14 @@ class Checkpointer:
         return self.manager.save(step, args=ocp.args.Composite(
             params=ocp.args.StandardSave(state.params), train=ocp.args.StandardSave(_train_item(state))), force=force)
 
+    def save_params(self, params: dict, step: int) -> bool:
+        """A params-only step (no optimizer state): for weight sync and exported policies."""
+        import jax.numpy as jnp
+
+        st = TrainState(params=params, opt_state={}, step=jnp.int32(step), skipped=jnp.int32(0),
+                        rng=jnp.zeros((2,), jnp.uint32))
+        return self.save(st, force=True)
+
     def wait(self):
         self.manager.wait_until_finished()
 
