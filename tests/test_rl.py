@@ -159,22 +159,28 @@ class _DigitsTask:
     split = get_task("addition").__class__.split
 
 
-def test_grpo_run_raises_reward(tmp_path):
-    from quads_jax.rl import loop
+def _digits_config(tmp_path, *, steps, prompts, group) -> str:
+    """A tiny policy on the digits task (registered here), as a job config file."""
     from quads_jax.rl import tasks as T
 
     T.TASKS["digits_test"] = _DigitsTask()
-    cfgp = tmp_path / "c.yaml"
-    cfgp.write_text("""
+    p = tmp_path / "c.yaml"
+    p.write_text(f"""
 seed: 0
 train_n: 200
-model: {vocab_size: 64, d_model: 32, n_layers: 1, n_heads: 2, n_kv_heads: 1, head_dim: 16, n_experts: 4,
-        experts_per_token: 2, expert_ffn: 32, max_seq_len: 32, compute_dtype: float32}
-task: {name: digits_test}
-rl: {recipe: quads, steps: 12, prompts_per_step: 4, max_new_tokens: 6, eval_every: 100, eval_n: 4, seq_len: 16,
-     grpo: {group_size: 8}, optim: {lr: 0.01, warmup_steps: 1}}
+model: {{vocab_size: 64, d_model: 32, n_layers: 1, n_heads: 2, n_kv_heads: 1, head_dim: 16, n_experts: 4,
+        experts_per_token: 2, expert_ffn: 32, max_seq_len: 32, compute_dtype: float32}}
+task: {{name: digits_test}}
+rl: {{recipe: quads, steps: {steps}, prompts_per_step: {prompts}, max_new_tokens: 6, eval_every: 100, eval_n: 4,
+     seq_len: 16, grpo: {{group_size: {group}}}, optim: {{lr: 0.01, warmup_steps: 1}}}}
 """)
-    cfg = loop.JobConfig.load(str(cfgp))
+    return str(p)
+
+
+def test_grpo_run_raises_reward(tmp_path):
+    from quads_jax.rl import loop
+
+    cfg = loop.JobConfig.load(_digits_config(tmp_path, steps=12, prompts=4, group=8))
     m = Transformer(cfg.model, rngs=nnx.Rngs(0))
     g, params, _ = split_params(m)
     _, hist = loop.run_grpo(cfg, g, params, cfg.model, str(tmp_path / "run"))
@@ -192,31 +198,20 @@ def test_grpo_through_the_rollout_server_equals_in_process(tmp_path):
     import threading
 
     from quads_jax.rl import loop
-    from quads_jax.rl import tasks as T
     from rollout.server import RolloutServer, make_http_server
 
-    T.TASKS["digits_test"] = _DigitsTask()
-    text = """
-seed: 0
-train_n: 200
-model: {vocab_size: 64, d_model: 32, n_layers: 1, n_heads: 2, n_kv_heads: 1, head_dim: 16, n_experts: 4,
-        experts_per_token: 2, expert_ffn: 32, max_seq_len: 32, compute_dtype: float32}
-task: {name: digits_test}
-rl: {recipe: quads, steps: 2, prompts_per_step: 2, max_new_tokens: 6, eval_every: 100, eval_n: 4, seq_len: 16,
-     grpo: {group_size: 4}, optim: {lr: 0.01, warmup_steps: 1}}
-"""
-    (tmp_path / "c.yaml").write_text(text)
-    cfg = loop.JobConfig.load(str(tmp_path / "c.yaml"))
+    path = _digits_config(tmp_path, steps=2, prompts=2, group=4)
+    cfg = loop.JobConfig.load(path)
     g, params, _ = split_params(Transformer(cfg.model, rngs=nnx.Rngs(0)))
     tok = CharTokenizer()
     srv = RolloutServer(Engine(cfg.model, recipe="quads", max_batch=8, max_len=16, eos_token_id=tok.eos_id), tok)
     httpd = make_http_server(srv, "127.0.0.1", 0)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     try:
-        remote = loop.JobConfig.load(str(tmp_path / "c.yaml"), {"rl.rollout_url": f"http://127.0.0.1:{httpd.server_address[1]}"})
+        remote = loop.JobConfig.load(path, {"rl.rollout_url": f"http://127.0.0.1:{httpd.server_address[1]}"})
         _, h_remote = loop.run_grpo(remote, g, params, cfg.model, str(tmp_path / "remote"))
         assert srv.engine.version == "2" and os.path.isdir(tmp_path / "remote" / "weight_sync")
-        bad = loop.JobConfig.load(str(tmp_path / "c.yaml"), {"rl.rollout_url": remote.rl.rollout_url, "rl.recipe": "bf16"})
+        bad = loop.JobConfig.load(path, {"rl.rollout_url": remote.rl.rollout_url, "rl.recipe": "bf16"})
         with pytest.raises(ValueError, match="different precision"):
             loop.run_grpo(bad, g, params, cfg.model, str(tmp_path / "bad"))
     finally:
