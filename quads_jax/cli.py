@@ -150,12 +150,9 @@ def cmd_export(a):
     from rollout.server import job_model
 
     cfg, _ = job_model(a.config, _overrides(a.set))
-    if a.checkpoint and bridge.is_orbax_dir(a.checkpoint):
-        params, _ = bridge.restore_params(a.checkpoint, cfg)
-    elif a.checkpoint:
-        params = bridge.load_hf_params(a.checkpoint, cfg)
-    else:
+    if not a.checkpoint:
         raise SystemExit("export: --checkpoint DIR is required (an orbax checkpoint or an HF directory)")
+    params, _ = bridge.read_params(a.checkpoint, cfg)
     out = (bridge.export_modelopt_nvfp4(cfg, params, a.out, recipe=a.recipe) if a.nvfp4
            else bridge.export_hf(cfg, params, a.out))
     print(f"[quads export] wrote {out}")

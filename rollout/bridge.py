@@ -72,7 +72,7 @@ def restore_params(directory: str, cfg: ModelConfig, step: int | None = None) ->
         raise FileNotFoundError(f"checkpoint directory not found: {directory}")
     ck = Checkpointer(directory, async_save=False)
     try:
-        step = ck._step(step)
+        step = ck.resolve_step(step)
         like = abstract_params(cfg)
         try:
             params = ck.restore_params(like, step=step)
@@ -105,23 +105,28 @@ class WeightBridge:
 
     def load_from_disk(self, path: str, version: Any = None, step: int | None = None) -> Any:
         """An orbax trainer checkpoint directory or a Hugging Face directory."""
-        if not os.path.isdir(path):
-            raise FileNotFoundError(f"model_path not found: {path}")
-        if is_orbax_dir(path):
-            params, step = restore_params(path, self.engine.cfg, step)
-            version = f"step-{step}" if version is None else version
-        elif is_hf_dir(path):
-            cfg = _quantized(path)
-            if cfg:
-                raise ValueError(f"{path} is a quantized export ({cfg.get('quant_algo')}); load the BF16 export "
-                                 "or the orbax checkpoint, the engine quantizes for its recipe itself")
-            params = load_hf_params(path, self.engine.cfg)
-            version = os.path.basename(os.path.normpath(path)) if version is None else version
-        else:
-            raise FileNotFoundError(f"{path}: neither an orbax checkpoint (step directories) nor a Hugging Face "
-                                    "directory (config.json)")
+        params, name = read_params(path, self.engine.cfg, step)
+        version = name if version is None else version
         self.engine.load(params, version)
         return version
+
+
+def read_params(path: str, cfg: ModelConfig, step: int | None = None) -> tuple[dict, str]:
+    """Float params from an orbax trainer checkpoint or a BF16/F32 Hugging Face directory,
+    checked against ``cfg``; returns (params, a version name)."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"model_path not found: {path}")
+    if is_orbax_dir(path):
+        params, step = restore_params(path, cfg, step)
+        return params, f"step-{step}"
+    if is_hf_dir(path):
+        qc = _quantized(path)
+        if qc:
+            raise ValueError(f"{path} is a quantized export ({qc.get('quant_algo')}); load the BF16 export "
+                             "or the orbax checkpoint, the engine quantizes for its recipe itself")
+        return load_hf_params(path, cfg), os.path.basename(os.path.normpath(path))
+    raise FileNotFoundError(f"{path}: neither an orbax checkpoint (step directories) nor a Hugging Face "
+                            "directory (config.json)")
 
 
 def _quantized(path: str) -> dict | None:
@@ -184,5 +189,5 @@ def read_modelopt_weight(path: str, name: str):
     return nvfp4.from_modelopt(src.get(name + ".weight"), src.get(name + ".weight_scale"), src.get(name + ".weight_scale_2"))
 
 
-__all__ = ["WeightBridge", "export_hf", "export_modelopt_nvfp4", "read_modelopt_weight", "restore_params",
+__all__ = ["WeightBridge", "read_params", "export_hf", "export_modelopt_nvfp4", "read_modelopt_weight", "restore_params",
            "abstract_params", "check_params", "quantization_config"]

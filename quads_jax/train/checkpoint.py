@@ -61,7 +61,7 @@ class Checkpointer:
     def restore(self, like: TrainState, step: int | None = None) -> TrainState:
         """Restore into the structure, dtypes and shardings of ``like`` (concrete or abstract),
         so a checkpoint written on one mesh restores onto another."""
-        step = self._step(step)
+        step = self.resolve_step(step)
         out = self.manager.restore(step, args=ocp.args.Composite(
             params=ocp.args.StandardRestore(_as_restore_target(like.params)),
             train=ocp.args.StandardRestore(_as_restore_target(_train_item(like)))))
@@ -70,11 +70,12 @@ class Checkpointer:
 
     def restore_params(self, like_params: dict | None = None, step: int | None = None) -> dict:
         """Only the parameters (no optimizer state is read)."""
-        step = self._step(step)
+        step = self.resolve_step(step)
         arg = ocp.args.StandardRestore(None if like_params is None else _as_restore_target(like_params))
         return self.manager.restore(step, args=ocp.args.Composite(params=arg))["params"]
 
-    def _step(self, step):
+    def resolve_step(self, step: int | None = None) -> int:
+        """``step``, or the latest finalized one; FileNotFoundError if there is none."""
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no finalized checkpoint in {self.directory}")
