@@ -165,7 +165,7 @@ def main(argv=None):
     def common(p, out_default):
         p.add_argument("--config", default="configs/tiny_cpu.yaml")
         p.add_argument("--out", default=out_default)
-        p.add_argument("--set", nargs="*", help="config overrides KEY=VALUE (e.g. rl.steps=5)")
+        p.add_argument("--set", nargs="+", action="extend", default=[], help="config overrides KEY=VALUE, repeatable (e.g. --set rl.steps=5 rl.recipe=bf16)")
 
     p = sub.add_parser("train", help="SFT warm start + GRPO in the configured recipe (the main job)")
     common(p, "runs/tiny")
@@ -193,7 +193,7 @@ def main(argv=None):
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--max-batch", type=int, default=32)
     p.add_argument("--max-len", type=int, default=None)
-    p.add_argument("--set", nargs="*")
+    p.add_argument("--set", nargs="+", action="extend", default=[], help="config overrides KEY=VALUE, repeatable")
     p.set_defaults(fn=cmd_serve)
     p = sub.add_parser("export", help="export a checkpoint as HF safetensors (BF16, or NVFP4 ModelOpt layout)")
     common(p, "exports/model")

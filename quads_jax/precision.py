@@ -97,11 +97,19 @@ def train_policy(name: str) -> Precision:
     return TRAIN_POLICIES[name]
 
 
-def rollout_recipe(name: str, rac_ratio: float | None = None) -> Precision:
+def rollout_recipe(name: str, rac_ratio: float | None = None, backend: str | None = None) -> Precision:
+    """The named rollout recipe, optionally with its RAC ratio and kernel backend replaced."""
     if name not in ROLLOUT_RECIPES:
         raise ValueError(f"rollout recipe {name!r}: expected one of {sorted(ROLLOUT_RECIPES)}")
     p = ROLLOUT_RECIPES[name]
-    return p if rac_ratio is None else dataclasses.replace(p, rac_ratio=float(rac_ratio))
+    if rac_ratio is not None:
+        p = dataclasses.replace(p, rac_ratio=float(rac_ratio))
+    if backend is not None:
+        from pallas_kernels.backend import BACKENDS
+        if backend not in BACKENDS:
+            raise ValueError(f"kernels.backend={backend!r}: expected one of {BACKENDS}")
+        p = dataclasses.replace(p, backend=backend)
+    return p
 
 
 # ----------------------------------------------------------------------------- weights

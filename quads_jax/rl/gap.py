@@ -21,7 +21,7 @@ RHOS = (0.0, 0.125, 0.25, 0.5, 0.75, 1.0)
 
 
 def measure_gaps(cfg, params, *, prompts=None, n_prompts=32, max_new_tokens=32, recipes=None, rac_ratios=RHOS,
-                 seed=0, max_batch=64, graphdef=None):
+                 seed=0, max_batch=64, graphdef=None, backend=None):
     """Rows {recipe, rac_ratio, gap_max, gap_mean, k3_kl} measured on sampled responses."""
     from quads_jax.rl.loop import RECIPES
     from flax import nnx
@@ -38,14 +38,14 @@ def measure_gaps(cfg, params, *, prompts=None, n_prompts=32, max_new_tokens=32, 
     for name, rho in runs:
         train_name, roll_name = RECIPES[name]
         tp = P.train_policy(train_name)
-        eng = Engine(cfg, recipe=P.rollout_recipe(roll_name, rho), max_batch=max_batch, max_len=seq_len)
+        eng = Engine(cfg, recipe=P.rollout_recipe(roll_name, rho, backend), max_batch=max_batch, max_len=seq_len)
         eng.load(params)
         res = eng.generate([Request(prompt=p, max_new_tokens=max_new_tokens, seed=i) for i, p in enumerate(prompts)])
         b = D.rl_batch(prompts, [r.output_ids for r in res], [r.logprobs for r in res], seq_len)
         lp = jax.jit(lambda p, t, a: token_logprobs(to_model(graphdef, p), t, a, precision=tp))(
             params, jnp.asarray(b["tokens"]), jnp.asarray(b["attn"]))
         g = jax.device_get(G.gap_metrics(lp, jnp.asarray(b["rollout_logp"]), jnp.asarray(b["resp_mask"])))
-        rows.append({"recipe": name, "rac_ratio": eng.recipe.rac_ratio if rho is not None or name == "quads" else "-",
+        rows.append({"recipe": name, "sweep": rho is not None, "rac_ratio": eng.recipe.rac_ratio if rho is not None or name == "quads" else "-",
                      **{k: float(v) for k, v in g.items()}})
     return rows
 
@@ -62,7 +62,38 @@ def run_gap(config_path: str, out_dir: str, overrides=None):
     tok = CharTokenizer()
     probs = loop.make_task(cfg).split("test", cfg.rl.eval_n, cfg.seed)
     prompts = [D.prompt_ids(tok, p.prompt) for p in probs]
-    rows = measure_gaps(mcfg, params, prompts=prompts, max_new_tokens=cfg.rl.max_new_tokens, graphdef=graphdef)
+    rows = measure_gaps(mcfg, params, prompts=prompts, max_new_tokens=cfg.rl.max_new_tokens, graphdef=graphdef,
+                        backend=cfg.kernel_backend)
     with open(os.path.join(out_dir, "gap.json"), "w") as f:
         json.dump(rows, f, indent=1)
+    plot_gaps(rows, os.path.join(out_dir, "gap.png"))
     return rows
+
+
+def plot_gaps(rows, out_png: str) -> str:
+    """Two panels: max/mean gap per recipe (bars) and against the RAC ratio (quads rows)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    named = [r for r in rows if not r.get("sweep")]
+    sweep = sorted((r for r in rows if r.get("sweep")), key=lambda r: r["rac_ratio"])
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.4))
+    xs = np.arange(len(named))
+    a.bar(xs - 0.2, [r["gap_max"] for r in named], 0.4, label="max |gap|")
+    a.bar(xs + 0.2, [r["gap_mean"] for r in named], 0.4, label="mean |gap|")
+    a.set_xticks(xs, [r["recipe"] for r in named], rotation=30, fontsize=8)
+    a.set_title("trainer vs rollout log-prob gap", fontsize=9)
+    a.legend(fontsize=8)
+    if sweep:
+        rho = [r["rac_ratio"] for r in sweep]
+        b.plot(rho, [r["gap_max"] for r in sweep], marker="o", label="max |gap|")
+        b.plot(rho, [r["gap_mean"] for r in sweep], marker="o", label="mean |gap|")
+        b.set_xlabel("RAC ratio rho")
+        b.set_title("quads: gap against rho", fontsize=9)
+        b.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+    return out_png

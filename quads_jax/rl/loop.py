@@ -87,6 +87,7 @@ class JobConfig:
     sft: SFTConfig
     rl: RLConfig
     train_n: int
+    kernel_backend: str | None = None  # `kernels: {backend: pallas|xla}`; None: the process default
 
     @classmethod
     def load(cls, path: str, overrides: dict | None = None) -> "JobConfig":
@@ -100,7 +101,7 @@ class JobConfig:
             for p in parts[:-1]:
                 node = node.setdefault(p, {})
             node[parts[-1]] = v
-        known = {"seed", "model", "task", "sft", "rl", "train_n"}
+        known = {"seed", "model", "task", "sft", "rl", "train_n", "kernels"}
         if set(d) - known:
             raise ValueError(f"{path}: unknown top-level keys {sorted(set(d) - known)}; expected some of {sorted(known)}")
         task = dict(d.get("task") or {"name": "addition"})
@@ -108,8 +109,14 @@ class JobConfig:
         rl = build(RLConfig, d.get("rl"), "rl")
         if rl.recipe not in RECIPES:
             raise ValueError(f"rl.recipe={rl.recipe!r}: expected one of {sorted(RECIPES)}")
+        kernels = dict(d.get("kernels") or {})
+        if set(kernels) - {"backend"}:
+            raise ValueError(f"{path}: unknown keys {sorted(set(kernels) - {'backend'})} under kernels; expected backend")
+        backend = kernels.get("backend")
+        P.rollout_recipe("bf16", backend=backend)  # validates the name
         return cls(seed=int(d.get("seed", 0)), model=from_dict(d.get("model") or {}), task=name, task_kwargs=task,
-                   sft=build(SFTConfig, d.get("sft"), "sft"), rl=rl, train_n=int(d.get("train_n", 4000)))
+                   sft=build(SFTConfig, d.get("sft"), "sft"), rl=rl, train_n=int(d.get("train_n", 4000)),
+                   kernel_backend=backend)
 
 
 def make_task(cfg: JobConfig):
@@ -185,10 +192,11 @@ def run_grpo(cfg: JobConfig, graphdef, params, mcfg, out_dir: str, *, log=print,
     gcfg = G.GRPOConfig.from_dict(rl.grpo)
     train_name, roll_name = RECIPES[rl.recipe]
     train_prec = P.train_policy(train_name)
-    roll_prec = P.rollout_recipe(roll_name, rl.rac_ratio)
+    roll_prec = P.rollout_recipe(roll_name, rl.rac_ratio, cfg.kernel_backend)
     ocfg = OptimConfig.from_dict({"total_steps": rl.steps, "warmup_steps": 2, **rl.optim})
     tx = make_optimizer(ocfg)
-    state = init_state(params, tx, cfg.seed + 1)
+    # the train step donates its state: copy, so the caller's params (a shared base policy) stay valid
+    state = init_state(jax.tree.map(jnp.copy, params), tx, cfg.seed + 1)
 
     def loss_fn(model, batch, rng):
         del rng
