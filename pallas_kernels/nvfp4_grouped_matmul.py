@@ -166,7 +166,8 @@ def nvfp4_grouped_matmul(x, w, group_sizes, *, rac_ratio=0.0, rac_mode="token", 
     group_sizes = check_group_sizes(group_sizes, m, e)
     if k % 32:
         raise ValueError(f"x: the Pallas GEMM needs K % 32 == 0 (got K={k}); use backend='xla'")
-    cfg = config or gemm_config(m, n, k, programs_per_row_tile=1)
+    # tiles sized for the rows an expert gets on average (decode: a few), not for all rows
+    cfg = config or gemm_config(-(-m // e), n, k, programs_per_row_tile=e)
     xq, rq = quantized_operands(x, mode=mode, rac_ratio=rac_ratio, rac_mode=rac_mode, act_scale=act_scale, backend="pallas")
     w4a16 = mode == "w4a16"
     a = (x,) if w4a16 else (xq.codes, _bits(xq.scales))

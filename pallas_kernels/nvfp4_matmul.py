@@ -49,6 +49,28 @@ class GemmConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    # weight-tile decode: "arith" (float32 select chain, then BF16) or "bits" (BF16 bit
+    # patterns, one BF16 product by the scale); both exact, so the same numbers
+    decode: str = "arith"
+    # block scales: "reshape" (load [rows, bk/16], broadcast + reshape in registers) or
+    # "gather" (load each scale byte once per channel pair: [rows, bk/2], no reshape)
+    scale_load: str = "reshape"
+
+    def __post_init__(self):
+        if self.decode not in DECODES:
+            raise ValueError(f"GemmConfig.decode={self.decode!r}: expected one of {DECODES}")
+        if self.scale_load not in SCALE_LOADS:
+            raise ValueError(f"GemmConfig.scale_load={self.scale_load!r}: expected one of {SCALE_LOADS}")
+        for f in ("block_m", "block_n", "block_k"):
+            v = getattr(self, f)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"GemmConfig.{f}={v}: expected a power of two >= 16")
+        if self.block_k < 32:
+            raise ValueError(f"GemmConfig.block_k={self.block_k}: expected >= 32 (two 16-channel blocks)")
+
+
+DECODES = ("arith", "bits")
+SCALE_LOADS = ("reshape", "gather")
 
 
 def gemm_config(t: int, n: int, k: int, programs_per_row_tile: int = 1) -> GemmConfig:
@@ -70,12 +92,17 @@ def gemm_config(t: int, n: int, k: int, programs_per_row_tile: int = 1) -> GemmC
 # ----------------------------------------------------------------------------- tile decode
 
 
-def decode_tile(codes, scale_bits, rows, bk):
-    """Packed codes [rows, bk/2] (uint8) and E4M3 scale bits [rows, bk/16] -> the even and
-    odd channels' block values in BF16 (exact), each [rows, bk/2]."""
+def decode_tile(codes, scale_bits, rows, bk, decode="arith"):
+    """Packed codes [rows, bk/2] (uint8) and E4M3 scale bits, either [rows, bk/16] or
+    already one per channel pair [rows, bk/2] -> the even and odd channels' block values
+    in BF16 (exact: E2M1 x E4M3 has at most 6 significant bits), each [rows, bk/2]."""
     c = codes.astype(jnp.int32)
     s = nvfp4.decode_e4m3_bits(scale_bits.astype(jnp.int32))
-    s = jnp.broadcast_to(s[:, :, None], (rows, bk // 16, 8)).reshape(rows, bk // 2)
+    if s.shape[-1] != bk // 2:
+        s = jnp.broadcast_to(s[:, :, None], (rows, bk // 16, 8)).reshape(rows, bk // 2)
+    if decode == "bits":
+        s = s.astype(jnp.bfloat16)
+        return nvfp4.decode_e2m1_bf16(c & 15) * s, nvfp4.decode_e2m1_bf16(c >> 4) * s
     lo = (nvfp4.decode_e2m1_arith(c & 15) * s).astype(jnp.bfloat16)
     hi = (nvfp4.decode_e2m1_arith(c >> 4) * s).astype(jnp.bfloat16)
     return lo, hi
@@ -111,8 +138,13 @@ def make_loaders(*, a_refs, r_refs, w_refs, row_sl, row_ok, col_sl, col_ok, cfg,
 
     def load_w(k0):
         wc = plgpu.load(wc_ref.at[(*w_index, col_sl, pl.ds(k0 // 2, bk // 2))], mask=col_ok, other=0)
-        ws = plgpu.load(ws_ref.at[(*w_index, col_sl, pl.ds(k0 // 16, bk // 16))], mask=col_ok, other=0)
-        return decode_tile(wc, ws, bn, bk)
+        if cfg.scale_load == "gather":  # scale byte j // 8 for packed column j: no reshape
+            rows = (col_sl.start + jnp.arange(bn))[:, None]
+            cols = (k0 // 16 + jnp.arange(bk // 2) // 8)[None, :]
+            ws = plgpu.load(ws_ref.at[(*w_index, rows, cols)], mask=col_ok, other=0)
+        else:
+            ws = plgpu.load(ws_ref.at[(*w_index, col_sl, pl.ds(k0 // 16, bk // 16))], mask=col_ok, other=0)
+        return decode_tile(wc, ws, bn, bk, cfg.decode)
 
     def load_codes(refs):
         c_ref, s_ref = refs
@@ -120,7 +152,7 @@ def make_loaders(*, a_refs, r_refs, w_refs, row_sl, row_ok, col_sl, col_ok, cfg,
         def load(k0):
             c = plgpu.load(c_ref.at[row_sl, pl.ds(k0 // 2, bk // 2)], mask=row_ok, other=0)
             s = plgpu.load(s_ref.at[row_sl, pl.ds(k0 // 16, bk // 16)], mask=row_ok, other=0)
-            return decode_tile(c, s, bm, bk)
+            return decode_tile(c, s, bm, bk, cfg.decode)
 
         return load
 

@@ -209,6 +209,15 @@ def decode_e2m1_arith(c):
     return jnp.where((c & 8) != 0, -mag, mag)
 
 
+def decode_e2m1_bf16(c):
+    """4-bit codes (int32) -> BF16 E2M1 values built from bits (for kernels): the
+    magnitude's BF16 pattern is ``(m + 252) << 6`` for the normal codes m = 2..7 and
+    ``m * 0x3F00`` (0 or 0.5) for m = 0, 1; the code's sign bit moves to bit 15."""
+    m = c & 7
+    bits = jnp.where(m < 2, m * 0x3F00, (m + 252) << 6) | ((c & 8) << 12)
+    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16)
+
+
 def decode_e4m3_bits(b):
     """E4M3 bit patterns (int32, 0..255) -> float32, exactly (for kernels)."""
     e, m = (b >> 3) & 15, b & 7

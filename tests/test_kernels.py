@@ -135,3 +135,30 @@ def test_bad_inputs_name_the_argument(rng):
     with pytest.raises(ValueError, match="group_sizes"):
         pk.nvfp4_grouped_matmul(jnp.ones((4, 64), jnp.bfloat16), nvfp4.quantize(jnp.ones((2, 32, 64)), keep_axes=(0,)),
                                 jnp.array([1, 2, 3]))
+
+
+def test_e2m1_bit_decode_equals_the_grid():
+    c = jnp.arange(16, dtype=jnp.int32)
+    grid = np.array([0, .5, 1, 1.5, 2, 3, 4, 6] + [-0.0, -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+    bits = np.asarray(nvfp4.decode_e2m1_bf16(c).astype(jnp.float32))
+    np.testing.assert_array_equal(bits, grid)
+    np.testing.assert_array_equal(np.signbit(bits), np.signbit(grid))  # -0 keeps its sign
+    np.testing.assert_array_equal(np.asarray(nvfp4.decode_e2m1_arith(c)), grid)
+
+
+@pytest.mark.parametrize("decode,scale_load", [("bits", "reshape"), ("arith", "gather"), ("bits", "gather")])
+def test_gemm_decode_variants_equal_xla(rng, decode, scale_load):
+    x = jnp.asarray(heavy(rng, (21, 256))).astype(jnp.bfloat16)
+    w = nvfp4.quantize(jnp.asarray(rng.standard_normal((80, 256)).astype(np.float32)))
+    cfg = pk.GemmConfig(block_m=16, block_n=32, block_k=64, split_k=2, decode=decode, scale_load=scale_load)
+    for kw in ({"rac_ratio": 0.5}, {"mode": "w4a16"}):
+        a = pk.nvfp4_matmul(x, w, backend="xla", out_dtype=jnp.float32, **kw)
+        b = pk.nvfp4_matmul(x, w, backend="pallas", out_dtype=jnp.float32, config=cfg, **kw)
+        assert rel(b, a) < 1e-5, kw
+
+
+def test_gemm_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="decode"):
+        pk.GemmConfig(block_m=16, block_n=32, block_k=64, decode="lut")
+    with pytest.raises(ValueError, match="block_n"):
+        pk.GemmConfig(block_m=16, block_n=48, block_k=64)

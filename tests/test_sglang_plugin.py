@@ -125,3 +125,59 @@ def test_register_without_sglang_says_why():
 def test_register_with_sglang():
     cls = sglang_plugin.register()
     assert cls.get_name() == "quads_nvfp4"
+
+
+TRITON_CHECK = r"""
+import os, sys, json
+os.environ["TRITON_INTERPRET"] = "1"
+import numpy as np, torch, jax.numpy as jnp
+from quads_jax import nvfp4 as F, precision as P
+from pallas_kernels import nvfp4_matmul, quantize_activations_rac
+from rollout.sglang_plugin import numerics as N, triton_gemm as TG
+out = {}
+rng = np.random.default_rng(11)
+t, n, k = 21, 80, 256
+x = (rng.standard_normal((t, k)) * np.exp(rng.standard_normal((t, 1)))).astype(np.float32)
+xb = jnp.asarray(x).astype(jnp.bfloat16)
+xt = torch.from_numpy(np.array(xb.astype(jnp.float32))).to(torch.bfloat16)
+wq = P.quantize_weight(jnp.asarray(rng.standard_normal((n, k)).astype(np.float32)))
+m = F.to_modelopt(wq)
+w = torch.from_numpy(np.array(m["weight"]))
+s = torch.from_numpy(np.array(m["weight_scale"]).view(np.uint8)).view(torch.float8_e4m3fn)
+gw = float(np.asarray(m["weight_scale_2"]).reshape(()))
+# the packed operands are the JAX quantizer's bits
+xq, rq = quantize_activations_rac(xb, rac_ratio=0.5, act_scale="token", backend="xla")
+(xc, xs, gx), (rc, rs, gr) = N.packed_operands(xt, 0.5)
+out["codes_equal"] = bool(np.array_equal(xc.numpy(), np.asarray(xq.codes)) and np.array_equal(rc.numpy(), np.asarray(rq.codes)))
+out["scales_equal"] = bool(np.array_equal(xs.numpy(), np.asarray(xq.scales).view(np.uint8))
+                           and np.array_equal(rs.numpy(), np.asarray(rq.scales).view(np.uint8)))
+cfgs = [None, TG.TritonGemmConfig(16, 32, 64, split_k=2), TG.TritonGemmConfig(32, 16, 32)]
+for rho in (0.0, 0.125, 0.5, 1.0):
+    want = np.asarray(nvfp4_matmul(xb, wq, rac_ratio=rho, act_scale="token", backend="xla", out_dtype=jnp.float32))
+    for i, cfg in enumerate(cfgs):
+        got = TG.quads_linear_triton(xt, w, s, gw, rac_ratio=rho, out_dtype=torch.float32, config=cfg).numpy()
+        out[f"rel_rho{rho}_cfg{i}"] = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+try:
+    TG.w4a4_rac_gemm(xc[:, :100], xs, gx, w, s.view(torch.uint8), gw)
+except ValueError as e:
+    out["bad_shape_error"] = str(e)
+print("RESULT" + json.dumps(out))
+"""
+
+
+def test_triton_kernel_equals_jax_reference_in_the_interpreter():
+    """The SGLang/jax-triton GEMM kernel, run by Triton's CPU interpreter, against the JAX
+    XLA reference on the same weights and activations (split-K and odd tiles included)."""
+    import json
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton", reason="triton is needed for the kernel")
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.getcwd())
+    r = subprocess.run([sys.executable, "-c", TRITON_CHECK], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout.split("RESULT", 1)[1])
+    assert res["codes_equal"] and res["scales_equal"]
+    rels = {key: v for key, v in res.items() if key.startswith("rel_")}
+    assert len(rels) == 12 and max(rels.values()) < 1e-6, rels  # accumulation order only
+    assert "x codes" in res["bad_shape_error"] and "uint8" in res["bad_shape_error"]

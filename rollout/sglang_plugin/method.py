@@ -3,8 +3,9 @@
 Imported only by ``rollout.sglang_plugin.register()`` where SGLang is installed; it cannot
 be exercised on this project's machines (no SGLang there), so it is kept thin: parameters
 named and shaped as the export writes them, and ``apply`` calling ``numerics``, whose
-numbers are tested against the JAX reference. The torch reference path dequantizes the
-weight tile on each call; a fused Triton kernel is the planned fast path (not written yet).
+numbers are tested against the JAX reference. On CUDA, W4A4 linears run the fused Triton
+GEMM (``triton_gemm``: packed weights decoded in registers, both MMAs from one decoded
+tile); elsewhere, and for w4a16, the torch reference dequantizes the weight on each call.
 
 Written against SGLang's quantization interfaces (``QuantizationConfig``,
 ``LinearMethodBase``, ``FusedMoEMethodBase`` in ``sglang.srt.layers.quantization``); the
@@ -25,6 +26,15 @@ from rollout.sglang_plugin import numerics as N
 QuantizationConfig = _bc.QuantizationConfig
 LinearMethodBase = _bc.LinearMethodBase
 FusedMoEMethodBase = getattr(_bc, "FusedMoEMethodBase", object)
+
+
+def _linear(x, w, s, gw, *, rac_ratio, mode, out_dtype):
+    """The fused Triton GEMM on CUDA for W4A4, the torch reference otherwise (same numbers)."""
+    if mode == "w4a4" and x.is_cuda and x.shape[-1] % 32 == 0:
+        from rollout.sglang_plugin.triton_gemm import quads_linear_triton
+
+        return quads_linear_triton(x, w, s, gw, rac_ratio=rac_ratio, out_dtype=out_dtype)
+    return N.quads_linear(x, w, s, gw, rac_ratio=rac_ratio, mode=mode, out_dtype=out_dtype)
 
 
 def _loader_attrs(param, attrs: dict):
@@ -110,8 +120,8 @@ class QuadsLinearMethod(LinearMethodBase):
         outs, row = [], 0
         for i, size in enumerate(layer.output_partition_sizes):
             w, s = layer.weight[row:row + size], layer.weight_scale[row:row + size]
-            outs.append(N.quads_linear(x2, w, s, layer.weight_scale_2[i], rac_ratio=self.cfg.rac_ratio, mode=self.cfg.mode,
-                                       out_dtype=x.dtype))
+            outs.append(_linear(x2, w, s, layer.weight_scale_2[i], rac_ratio=self.cfg.rac_ratio, mode=self.cfg.mode,
+                                out_dtype=x.dtype))
             row += size
         out = torch.cat(outs, dim=-1).reshape(*shape[:-1], -1)
         return out if bias is None else out + bias

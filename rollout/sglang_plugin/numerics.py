@@ -74,28 +74,55 @@ def num_selected(rac_ratio: float, count: int) -> int:
     return min(count, max(0, math.ceil(rac_ratio * count - 1e-9)))
 
 
-def rac_operands(x, rac_ratio: float):
-    """x [T, K] -> ((xv, gx), (rv, gr) or None): block values and [T, 1] global scales of
-    q(x) and of the second-pass residual on the selected blocks."""
+def encode_e2m1(q):
+    """E2M1 values (float32) -> 4-bit codes (uint8): the magnitude's index in the grid, sign in bit 3."""
+    a = q.abs()
+    idx = torch.where(a < 2, a * 2, torch.where(a < 4, a + 2, a / 2 + 4)).to(torch.uint8)
+    return idx | (torch.signbit(q).to(torch.uint8) << 3)
+
+
+def pack(q, s):
+    """(E2M1 values [T, K], block scales [T, K/16]) -> (codes uint8 [T, K/2] with channel 2j in
+    the low nibble, E4M3 scale bit patterns uint8 [T, K/16]): the kernels' operand layout."""
+    c = encode_e2m1(q)
+    return c[:, 0::2] | (c[:, 1::2] << 4), s.to(torch.float8_e4m3fn).view(torch.uint8)
+
+
+def packed_operands(x, rac_ratio: float):
+    """x [T, K] -> ((codes, scale bits, gx), (codes, scale bits, gr) or None): the packed
+    operands of q(x) and of the selected residual, for the Triton GEMM."""
+    (q, s, gx), res = _quantized(x, rac_ratio)
+    return (*pack(q, s), gx), (None if res is None else (*pack(res[0], res[1]), res[2]))
+
+
+def _quantized(x, rac_ratio: float):
+    """((E2M1 values, block scales, gx), (same for the selected residual, gr) or None)."""
     if not 0.0 <= rac_ratio <= 1.0:
         raise ValueError(f"rac_ratio={rac_ratio!r}: expected a number in [0, 1]")
     xf = x.float()
     gx = global_scale(xf)
     q, s = quantize(xf, gx)
-    xv = block_values(q, s)
     if rac_ratio == 0:
-        return (xv, gx), None
+        return (q, s, gx), None
     t, k = xf.shape
-    r = xf - xv * gx
+    r = xf - block_values(q, s) * gx
     energy = (r * r).reshape(t, k // BLOCK, BLOCK).sum(-1)
     n = num_selected(rac_ratio, k // BLOCK)
     if n == 0:
-        return (xv, gx), None
+        return (q, s, gx), None
     tau = torch.topk(energy, n, dim=-1).values[:, n - 1 : n]
     sel = (energy >= tau).repeat_interleave(BLOCK, dim=1)
     gr = gx * RESIDUAL_SCALE_FACTOR
     rq, rs = quantize(torch.where(sel, r, torch.zeros_like(r)), gr)
-    return (xv, gx), (block_values(rq, rs), gr)
+    return (q, s, gx), (rq, rs, gr)
+
+
+def rac_operands(x, rac_ratio: float):
+    """x [T, K] -> ((xv, gx), (rv, gr) or None): block values and [T, 1] global scales of
+    q(x) and of the second-pass residual on the selected blocks."""
+    (q, s, gx), res = _quantized(x, rac_ratio)
+    xv = (block_values(q, s), gx)
+    return xv, (None if res is None else (block_values(res[0], res[1]), res[2]))
 
 
 def dequantize_weight(weight, weight_scale, weight_scale_2=None):
