@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import glob
+import importlib
 import json
 import os
 import subprocess
@@ -81,6 +82,24 @@ def timer():
         return (time.perf_counter() - t0) / n * 1e6
 
     return measure
+
+
+def breakdown(f, *args, iterations=20):
+    """Per-kernel CUPTI medians (us) of one call of ``f``: where the time goes."""
+    import jax
+    from jax.experimental.mosaic.gpu import profiler
+
+    jf = jax.jit(f)
+    jax.block_until_ready(jf(*args))
+    _, per_iter = profiler.measure(jf, aggregate=False, iterations=iterations)(*args)
+    if not per_iter:
+        return {}
+    names = [n for n, _ in per_iter[0]]
+    out = {}
+    for i, name in enumerate(names):
+        key = f"{i}:{name[:60]}"
+        out[key] = float(np.median([it[i][1] for it in per_iter])) * 1e3
+    return out
 
 
 @section("env")
@@ -255,6 +274,7 @@ def decode(measure, ceil, quick):
             variants = {
                 "bf16_dot": (dot_nt, (x, wb)),
                 "fp8_dot": (lambda a, w: fp8_matmul(a, w), (x, w8)),
+                "fp8_xla_dot": (lambda a, w: fp8_matmul(a, w, backend="xla"), (x, w8)),
                 "nvfp4_rho0": (lambda a, w: nvfp4_matmul(a, w, backend="pallas"), (x, w4)),
                 "nvfp4_rho0.5": (lambda a, w: nvfp4_matmul(a, w, rac_ratio=0.5, backend="pallas"), (x, w4)),
                 "nvfp4_w4a16": (lambda a, w: nvfp4_matmul(a, w, mode="w4a16", backend="pallas"), (x, w4)),
@@ -266,6 +286,12 @@ def decode(measure, ceil, quick):
                 except Exception as e:
                     r[name + "_us"] = None
                     RESULTS["errors"][f"decode_{name}_{t}_{k}_{n}"] = f"{type(e).__name__}: {e}"[:600]
+            if t == 16:
+                for name in ("nvfp4_rho0", "nvfp4_rho0.5"):
+                    try:
+                        r[name + "_kernels_us"] = breakdown(*variants[name])
+                    except Exception as e:
+                        RESULTS["errors"][f"breakdown_{name}_{k}_{n}"] = f"{type(e).__name__}: {e}"[:300]
             us = r.get("nvfp4_rho0_us")
             if us:
                 r["nvfp4_weight_TBps"] = wbytes4 / us / 1e6
@@ -339,6 +365,118 @@ def grouped(measure):
             r["weight_TBps"] = (w4.codes.size + w4.scales.size) / r["nvfp4_rho0_us"] / 1e6
         rows.append(r)
         print(json.dumps(r), flush=True)
+    return rows
+
+
+def sweep_candidates(base):
+    """Decode variants at the heuristic's tiles, then tile shapes with the variants."""
+    import dataclasses as dc
+
+    out = [dc.replace(base, decode=d, scale_load=sl) for d in ("arith", "bits") for sl in ("reshape", "gather")]
+    for bn, bk, split, warps, stages in [(32, 256, None, 4, 4), (128, 256, None, 4, 4), (128, 256, None, 8, 3),
+                                         (64, 512, None, 4, 3), (64, 128, None, 4, 4), (256, 128, None, 8, 3),
+                                         (64, 256, 1, 4, 4), (64, 256, 8, 4, 4), (128, 128, 4, 4, 4), (32, 512, 2, 4, 3)]:
+        for d in ("arith", "bits"):
+            out.append(dc.replace(base, block_n=bn, block_k=bk, split_k=base.split_k if split is None else split,
+                                  num_warps=warps, num_stages=stages, decode=d))
+    return out
+
+
+@section("sweep")
+def sweep(measure, copy_tbps=None, shapes=((16, 4096, 14336), (64, 2048, 768))):
+    """GEMM-only kernel time (operands quantized beforehand) over tile configs and decode
+    variants; every config is checked against the XLA reference first."""
+    import jax.numpy as jnp
+
+    from quads_jax import nvfp4 as F
+    from pallas_kernels import backend as _backend
+    NM = importlib.import_module("pallas_kernels.nvfp4_matmul")  # the module (the package exports the function)
+    from pallas_kernels import quantize_activations_rac
+
+    rows = []
+    rng = np.random.default_rng(4)
+    for t, k, n in shapes:
+        w = F.quantize(jnp.asarray(rng.standard_normal((n, k)).astype(np.float32) * 0.02))
+        x = jnp.asarray(rng.standard_normal((t, k)).astype(np.float32)).astype(jnp.bfloat16)
+        xq, rq = quantize_activations_rac(x, rac_ratio=0.5, act_scale="token", backend="pallas")
+        ref = np.asarray(NM.nvfp4_matmul_xla(x, w, rac_ratio=0.5, act_scale="token", out_dtype=jnp.float32))
+        gw = jnp.reshape(jnp.asarray(w.global_scale, jnp.float32), (1,))
+        a = (xq.codes, NM._bits(xq.scales))
+        r = (rq.codes, NM._bits(rq.scales))
+        wbytes = w.codes.size + w.scales.size
+        base = NM.gemm_config(t, n, k)
+        interp = _backend.interpret_mode()
+        ref0 = np.asarray(NM.nvfp4_matmul_xla(x, w, act_scale="token", out_dtype=jnp.float32))
+        for i, cfg in enumerate(sweep_candidates(base)):
+            if k % (cfg.block_k * cfg.split_k):
+                continue
+            row = {"T": t, "K": k, "N": n, **{f: getattr(cfg, f) for f in ("block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages", "decode", "scale_load")}}
+            try:
+                # rho 0 for every config; rho 0.5 for the decode variants at the heuristic's tiles
+                for name, rr, want in (("rho0", None, ref0), ("rho0.5", r, ref))[: 2 if i < 4 else 1]:
+                    def call(a0, a1, gx, wc, ws, rr=rr, cfg=cfg):
+                        return NM._gemm_call((a0, a1), gx, rr, wc, ws, gw, n=n, cfg=cfg, w4a16=False, out_dtype=jnp.float32, interpret=interp)
+                    got = np.asarray(call(*a, xq.global_scale, w.codes, NM._bits(w.scales)))
+                    row[name + "_rel_vs_xla"] = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+                    row[name + "_us"] = measure(call, *a, xq.global_scale, w.codes, NM._bits(w.scales))
+                row["weight_TBps"] = wbytes / row["rho0_us"] / 1e6
+                if copy_tbps:
+                    row["frac_of_copy"] = row["weight_TBps"] / copy_tbps
+            except Exception as e:
+                row["error"] = f"{type(e).__name__}: {e}"[:300]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+@section("triton")
+def triton_parity(measure):
+    """The SGLang plugin's Triton GEMM through jax-triton and through torch, against the
+    Pallas kernel on the same quantized operands; GEMM-only times side by side."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+    from triton.testing import do_bench
+
+    from quads_jax import nvfp4 as F
+    NM = importlib.import_module("pallas_kernels.nvfp4_matmul")  # the module (the package exports the function)
+    from pallas_kernels import quantize_activations_rac
+    from pallas_kernels.triton_interop import triton_nvfp4_matmul
+    from rollout.sglang_plugin import numerics as N
+    from rollout.sglang_plugin import triton_gemm as TG
+
+    rows = []
+    rng = np.random.default_rng(5)
+    for t, k, n in [(16, 4096, 14336), (16, 2048, 6144), (64, 2048, 768), (300, 2048, 768)]:
+        w = F.quantize(jnp.asarray(rng.standard_normal((n, k)).astype(np.float32) * 0.02))
+        x = jnp.asarray(rng.standard_normal((t, k)).astype(np.float32)).astype(jnp.bfloat16)
+        row = {"T": t, "K": k, "N": n}
+        for rho in (0.0, 0.5):
+            xq, rq = quantize_activations_rac(x, rac_ratio=rho, act_scale="token", backend="pallas")
+            gw = jnp.reshape(jnp.asarray(w.global_scale, jnp.float32), (1,))
+            cfg = NM.gemm_config(t, n, k)
+            rr = None if rq is None else (rq.codes, NM._bits(rq.scales))
+            pallas = lambda xq, rq: NM._gemm_call((xq.codes, NM._bits(xq.scales)), xq.global_scale, None if rq is None else (rq.codes, NM._bits(rq.scales)), w.codes, NM._bits(w.scales), gw, n=n, cfg=cfg, w4a16=False, out_dtype=jnp.float32, interpret=False)
+            jt = lambda xq, rq: triton_nvfp4_matmul(xq, rq, w, out_dtype=jnp.float32)
+            p_out = np.asarray(pallas(xq, rq))
+            j_out = np.asarray(jt(xq, rq))
+            row[f"rho{rho}_jax_triton_vs_pallas_rel"] = float(np.linalg.norm(j_out - p_out) / np.linalg.norm(p_out))
+            row[f"rho{rho}_pallas_us"] = measure(pallas, xq, rq)
+            row[f"rho{rho}_jax_triton_us"] = measure(jt, xq, rq)
+            # torch: the plugin's own quantizer and the same kernel, on the same weights
+            tw = torch.from_numpy(np.array(w.codes)).cuda()
+            ts = torch.from_numpy(np.array(NM._bits(w.scales))).cuda()
+            tgw = float(np.asarray(w.global_scale))
+            tx = torch.from_numpy(np.array(x.astype(jnp.float32))).to(torch.bfloat16).cuda()
+            (xc, xs, gx), res = N.packed_operands(tx, rho)
+            row[f"rho{rho}_torch_codes_equal_jax"] = bool(np.array_equal(xc.cpu().numpy(), np.asarray(xq.codes)))
+            args = (xc, xs, gx, tw, ts, tgw) + ((res[0], res[1]) if res is not None else ())
+            t_out = TG.w4a4_rac_gemm(*args, out_dtype=torch.float32).cpu().numpy()
+            row[f"rho{rho}_torch_vs_jax_triton_max_abs"] = float(np.abs(t_out - j_out).max())
+            row[f"rho{rho}_torch_triton_us"] = do_bench(lambda: TG.w4a4_rac_gemm(*args), warmup=25, rep=200, return_mode="median") * 1e3
+            row[f"rho{rho}_torch_full_linear_us"] = do_bench(lambda: TG.quads_linear_triton(tx, tw, ts.view(torch.float8_e4m3fn), tgw, rac_ratio=rho), warmup=10, rep=100, return_mode="median") * 1e3
+        rows.append(row)
+        print(json.dumps(row), flush=True)
     return rows
 
 
@@ -455,6 +593,10 @@ def main():
     ceil = RESULTS["sections"].get("ceilings")
     if want("decode"):
         decode(measure, ceil, args.quick)
+    if want("sweep"):
+        sweep(measure, (ceil or {}).get("copy_TBps"))
+    if want("triton"):
+        triton_parity(measure)
     if want("prefill"):
         prefill(measure)
     if want("grouped"):
