@@ -34,6 +34,8 @@ import traceback
 
 import numpy as np
 
+os.environ.setdefault("TRITON_CACHE_DIR", "/tmp/triton_cache")  # the default under $HOME may not be writable
+
 RESULTS: dict = {"sections": {}, "errors": {}}
 OUT_DIR = ""
 
@@ -289,7 +291,8 @@ def decode(measure, ceil, quick):
             if t == 16:
                 for name in ("nvfp4_rho0", "nvfp4_rho0.5"):
                     try:
-                        r[name + "_kernels_us"] = breakdown(*variants[name])
+                        f_, args_ = variants[name]
+                        r[name + "_kernels_us"] = breakdown(f_, *args_)
                     except Exception as e:
                         RESULTS["errors"][f"breakdown_{name}_{k}_{n}"] = f"{type(e).__name__}: {e}"[:300]
             us = r.get("nvfp4_rho0_us")
@@ -447,7 +450,7 @@ def triton_parity(measure):
 
     rows = []
     rng = np.random.default_rng(5)
-    for t, k, n in [(16, 4096, 14336), (16, 2048, 6144), (64, 2048, 768), (300, 2048, 768)]:
+    for t, k, n in [(16, 4096, 14336), (64, 2048, 768)]:
         w = F.quantize(jnp.asarray(rng.standard_normal((n, k)).astype(np.float32) * 0.02))
         x = jnp.asarray(rng.standard_normal((t, k)).astype(np.float32)).astype(jnp.bfloat16)
         row = {"T": t, "K": k, "N": n}
