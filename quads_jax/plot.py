@@ -17,11 +17,13 @@ PANELS = (("reward_mean", "reward (train prompts)"), ("pass_at_1", "held-out pas
 
 
 def plot_runs(run_dirs, out_png: str, labels=None) -> str:
-    fig, axes = plt.subplots(1, len(PANELS), figsize=(4.2 * len(PANELS), 3.4))
-    for j, d in enumerate(run_dirs):
-        m = read_csv(os.path.join(d, "metrics.csv"))
+    metrics = [read_csv(os.path.join(d, "metrics.csv")) for d in run_dirs]
+    panels = [p for p in PANELS if any(p[0] in m for m in metrics)] or list(PANELS)  # only columns some run has
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
+    axes = axes[0]
+    for j, (d, m) in enumerate(zip(run_dirs, metrics)):
         label = (labels[j] if labels else None) or os.path.basename(os.path.normpath(d))
-        for ax, (col, title) in zip(axes, PANELS):
+        for ax, (col, title) in zip(axes, panels):
             if col not in m:
                 continue
             pts = [(s, v) for s, v in zip(m["step"], m[col]) if not math.isnan(v)]

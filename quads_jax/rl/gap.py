@@ -79,20 +79,23 @@ def plot_gaps(rows, out_png: str) -> str:
 
     named = [r for r in rows if not r.get("sweep")]
     sweep = sorted((r for r in rows if r.get("sweep")), key=lambda r: r["rac_ratio"])
-    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.4))
+    fig, axes = plt.subplots(1, 3 if sweep else 2, figsize=(13 if sweep else 9, 3.4))
     xs = np.arange(len(named))
-    a.bar(xs - 0.2, [r["gap_max"] for r in named], 0.4, label="max |gap|")
-    a.bar(xs + 0.2, [r["gap_mean"] for r in named], 0.4, label="mean |gap|")
-    a.set_xticks(xs, [r["recipe"] for r in named], rotation=30, fontsize=8)
-    a.set_title("trainer vs rollout log-prob gap", fontsize=9)
-    a.legend(fontsize=8)
+    for ax, col, title in ((axes[0], "gap_max", "max |logp_rollout - logp_train|"),
+                           (axes[1], "gap_mean", "mean |logp_rollout - logp_train|")):
+        ax.bar(xs, [r[col] for r in named], 0.6)
+        ax.set_xticks(xs, [r["recipe"] for r in named], rotation=30, fontsize=8)
+        ax.set_title(title, fontsize=9)
     if sweep:
+        c = axes[2]
         rho = [r["rac_ratio"] for r in sweep]
-        b.plot(rho, [r["gap_max"] for r in sweep], marker="o", label="max |gap|")
-        b.plot(rho, [r["gap_mean"] for r in sweep], marker="o", label="mean |gap|")
-        b.set_xlabel("RAC ratio rho")
-        b.set_title("quads: gap against rho", fontsize=9)
-        b.legend(fontsize=8)
+        c.plot(rho, [r["gap_mean"] for r in sweep], marker="o", color="C0", label="mean |gap|")
+        c.set_xlabel("RAC ratio rho")
+        c.set_ylabel("mean |gap|", color="C0")
+        c2 = c.twinx()
+        c2.plot(rho, [r["k3_kl"] for r in sweep], marker="s", color="C1", label="k3 KL")
+        c2.set_ylabel("k3 KL", color="C1")
+        c.set_title("quads: gap against the RAC ratio", fontsize=9)
     fig.tight_layout()
     fig.savefig(out_png, dpi=110)
     plt.close(fig)
