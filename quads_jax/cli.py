@@ -158,7 +158,7 @@ def cmd_export(a):
     print(f"[quads export] wrote {out}")
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="quads", description="RL of MoE LMs with NVFP4 rollouts (QUADS)")
     sub = ap.add_subparsers(dest="cmd", required=True)
 
@@ -203,7 +203,11 @@ def main(argv=None):
     p.set_defaults(fn=cmd_export)
     p = sub.add_parser("demo", help="quantize a tensor to NVFP4 and print the error table")
     p.set_defaults(fn=cmd_demo)
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None):
+    a = build_parser().parse_args(argv)
     a.fn(a)
 
 

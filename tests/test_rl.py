@@ -1,3 +1,5 @@
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -184,6 +186,8 @@ def test_grpo_run_raises_reward(tmp_path):
     m = Transformer(cfg.model, rngs=nnx.Rngs(0))
     g, params, _ = split_params(m)
     _, hist = loop.run_grpo(cfg, g, params, cfg.model, str(tmp_path / "run"))
+    # the train step donates its state: the caller's params must survive (quads compare reuses them)
+    assert not any(leaf.is_deleted() for leaf in jax.tree.leaves(params))
     r = [h["reward_mean"] for h in hist if "reward_mean" in h]
     assert np.mean(r[-3:]) > np.mean(r[:3]) + 0.15, r
     s = loop.summarize(hist)
@@ -222,3 +226,50 @@ def test_grpo_through_the_rollout_server_equals_in_process(tmp_path):
         assert a.get("reward_mean") == b.get("reward_mean")
         if "gap_max" in a:
             np.testing.assert_allclose(a["gap_max"], b["gap_max"], atol=1e-5)
+
+
+def test_job_config_keys_and_cli_overrides(tmp_path):
+    from quads_jax import cli
+    from quads_jax import precision as P
+    from quads_jax.rl import loop
+
+    path = _digits_config(tmp_path, steps=1, prompts=1, group=2)
+    assert loop.JobConfig.load(path).kernel_backend is None
+    cfg = loop.JobConfig.load(path, {"kernels.backend": "pallas"})
+    assert cfg.kernel_backend == "pallas"
+    assert P.rollout_recipe("quads", None, cfg.kernel_backend).backend == "pallas"
+    assert P.rollout_recipe("quads", 0.25, "xla").rac_ratio == 0.25
+    with pytest.raises(ValueError, match="kernels.backend='triton'"):
+        loop.JobConfig.load(path, {"kernels.backend": "triton"})
+    with pytest.raises(ValueError, match="under kernels"):
+        loop.JobConfig.load(path, {"kernels.tile": 64})
+    with pytest.raises(ValueError, match="unknown top-level keys"):
+        loop.JobConfig.load(path, {"kernel": {"backend": "xla"}})
+    with pytest.raises(FileNotFoundError, match="config file not found"):
+        loop.JobConfig.load(str(tmp_path / "missing.yaml"))
+    # --set is repeatable and also takes several pairs at once; the values are parsed as YAML
+    a = cli.build_parser().parse_args(["gap", "--config", path, "--set", "rl.steps=3", "--set", "kernels.backend=xla", "rl.temperature=2e-1"])
+    ov = cli._overrides(a.set)
+    assert ov == {"rl.steps": 3, "kernels.backend": "xla", "rl.temperature": 0.2}
+    cfg = loop.JobConfig.load(path, ov)
+    assert (cfg.rl.steps, cfg.kernel_backend, cfg.rl.temperature) == (3, "xla", 0.2)
+    with pytest.raises(SystemExit, match="KEY=VALUE"):
+        cli._overrides(["rl.steps"])
+
+
+def test_gap_and_run_plots(tmp_path):
+    from quads_jax.plot import plot_runs
+    from quads_jax.rl.gap import plot_gaps
+
+    rows = [{"recipe": r, "sweep": False, "rac_ratio": "-", "gap_max": 1.0, "gap_mean": m, "k3_kl": m / 10}
+            for r, m in (("bf16", 0.001), ("nvfp4_naive", 0.02), ("quads", 0.008))]
+    rows += [{"recipe": "quads", "sweep": True, "rac_ratio": rho, "gap_max": 1.0, "gap_mean": 0.02 * (1 - rho), "k3_kl": 0.001}
+             for rho in (0.0, 0.5, 1.0)]
+    png = plot_gaps(rows, str(tmp_path / "gap.png"))
+    assert (tmp_path / "gap.png").stat().st_size > 10_000
+    # a run directory with only some of the columns: only those panels are drawn
+    d = tmp_path / "run"
+    d.mkdir()
+    (d / "metrics.csv").write_text("step,reward_mean,gap_max\n0,0.1,0.5\n1,0.3,0.4\n")
+    out = plot_runs([str(d)], str(tmp_path / "c.png"))
+    assert os.path.getsize(out) > 5_000 and png.endswith("gap.png")
