@@ -27,13 +27,14 @@ def triton_nvfp4_matmul(xq: nvfp4.NVFP4Tensor, rq: nvfp4.NVFP4Tensor | None, w: 
     """q(x) [T, K] (and the selected residual) times the NVFP4 weight [N, K] -> [T, N]."""
     import jax_triton as jt
 
-    from rollout.sglang_plugin.triton_gemm import triton_gemm_config, w4a4_rac_gemm_kernel
+    from quads_jax.tiling import gemm_config
+    from rollout.sglang_plugin.triton_gemm import w4a4_rac_gemm_kernel
 
     t, k = xq.shape
     n = w.shape[0]
     if w.shape[1] != k:
         raise ValueError(f"w: K={w.shape[1]} does not match the activations' K={k}")
-    cfg = config or triton_gemm_config(t, n, k)
+    cfg = config or gemm_config(t, n, k)
     gx = jnp.reshape(jnp.asarray(xq.global_scale, jnp.float32), (t,))
     gw = jnp.reshape(jnp.asarray(w.global_scale, jnp.float32), (1,))
     rc, rs = (rq.codes, _bits(rq.scales)) if rq is not None else (xq.codes, _bits(xq.scales))

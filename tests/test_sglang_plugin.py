@@ -151,7 +151,7 @@ xq, rq = quantize_activations_rac(xb, rac_ratio=0.5, act_scale="token", backend=
 out["codes_equal"] = bool(np.array_equal(xc.numpy(), np.asarray(xq.codes)) and np.array_equal(rc.numpy(), np.asarray(rq.codes)))
 out["scales_equal"] = bool(np.array_equal(xs.numpy(), np.asarray(xq.scales).view(np.uint8))
                            and np.array_equal(rs.numpy(), np.asarray(rq.scales).view(np.uint8)))
-cfgs = [None, TG.TritonGemmConfig(16, 32, 64, split_k=2), TG.TritonGemmConfig(32, 16, 32)]
+cfgs = [None, TG.GemmConfig(16, 32, 64, split_k=2), TG.GemmConfig(32, 16, 32)]
 for rho in (0.0, 0.125, 0.5, 1.0):
     want = np.asarray(nvfp4_matmul(xb, wq, rac_ratio=rho, act_scale="token", backend="xla", out_dtype=jnp.float32))
     for i, cfg in enumerate(cfgs):

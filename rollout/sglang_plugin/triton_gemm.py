@@ -20,11 +20,12 @@ kernel then runs in Triton's interpreter on CPU tensors (the CPU tests do this; 
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import triton
 import triton.language as tl
+
+from quads_jax.tiling import GemmConfig, gemm_config
 
 RESIDUAL_SCALE_FACTOR = 0.25
 
@@ -134,29 +135,6 @@ def w4a4_rac_gemm_kernel(
 # ----------------------------------------------------------------------------- launch
 
 
-@dataclasses.dataclass(frozen=True)
-class TritonGemmConfig:
-    block_m: int
-    block_n: int
-    block_k: int
-    split_k: int = 1
-    num_warps: int = 4
-    num_stages: int = 3
-
-
-def triton_gemm_config(t: int, n: int, k: int, num_sms: int = 132) -> TritonGemmConfig:
-    """Decode (few tokens): narrow N tiles, split-K until about two waves; prefill: 128 x 128."""
-    if t >= 256:
-        return TritonGemmConfig(128, 128, 64 if k % 64 == 0 else 32, num_warps=8)
-    bm = 16 if t <= 16 else (32 if t <= 32 else 64)
-    bk = next(b for b in (256, 128, 64, 32) if k % b == 0)
-    tiles = -(-t // bm) * -(-n // 64)
-    split = 1
-    while tiles * split < 2 * num_sms and (k // bk) % (split * 2) == 0 and k // (bk * split * 2) >= 2:
-        split *= 2
-    return TritonGemmConfig(bm, 64, bk, split, num_warps=4, num_stages=4)
-
-
 def check_packed(name, codes, scales, rows, k):
     import torch
 
@@ -167,7 +145,7 @@ def check_packed(name, codes, scales, rows, k):
 
 
 def w4a4_rac_gemm(x_codes, x_scales, gx, w_codes, w_scales, gw, r_codes=None, r_scales=None, *,
-                  out_dtype=None, config: TritonGemmConfig | None = None):
+                  out_dtype=None, config: GemmConfig | None = None):
     """Packed NVFP4 activations [T, K] (and residual) times the packed weight [N, K] -> [T, N].
 
     ``gx``: [T] or [T, 1] float32 per-token global scales; ``gw``: the weight's float32 global
@@ -184,7 +162,7 @@ def w4a4_rac_gemm(x_codes, x_scales, gx, w_codes, w_scales, gw, r_codes=None, r_
     has_rac = r_codes is not None
     if has_rac:
         check_packed("r", r_codes, r_scales, t, k)
-    cfg = config or triton_gemm_config(t, n, k)
+    cfg = config or gemm_config(t, n, k)
     gx = gx.reshape(t).to(torch.float32).contiguous()
     gw = torch.as_tensor(gw, dtype=torch.float32, device=x_codes.device).reshape(1)
     dtype = out_dtype if cfg.split_k == 1 else torch.float32
@@ -201,7 +179,7 @@ def w4a4_rac_gemm(x_codes, x_scales, gx, w_codes, w_scales, gw, r_codes=None, r_
 
 
 def quads_linear_triton(x, weight, weight_scale, weight_scale_2, *, rac_ratio: float = 0.5, out_dtype=None,
-                        config: TritonGemmConfig | None = None):
+                        config: GemmConfig | None = None):
     """``numerics.quads_linear`` (w4a4) with the GEMM in the Triton kernel."""
     import torch
 

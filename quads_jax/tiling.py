@@ -1,0 +1,60 @@
+"""GEMM tile configurations and the heuristic that picks them, shared by the Pallas kernels
+(``pallas_kernels.nvfp4_matmul``) and the SGLang plugin's Triton kernel. Plain Python: the
+plugin imports it where JAX is not installed."""
+
+from __future__ import annotations
+
+import dataclasses
+
+NUM_SMS = 132  # H200
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    # Pallas only (the Triton kernel always decodes from bits with per-column scale pointers):
+    # weight-tile decode: "arith" (float32 select chain, then BF16) or "bits" (BF16 bit
+    # patterns, one BF16 product by the scale); both exact, so the same numbers
+    decode: str = "bits"
+    # block scales: "reshape" (load [rows, bk/16], broadcast + reshape in registers) or
+    # "gather" (load each scale byte once per channel pair: [rows, bk/2], no reshape)
+    scale_load: str = "reshape"
+
+    def __post_init__(self):
+        if self.decode not in DECODES:
+            raise ValueError(f"GemmConfig.decode={self.decode!r}: expected one of {DECODES}")
+        if self.scale_load not in SCALE_LOADS:
+            raise ValueError(f"GemmConfig.scale_load={self.scale_load!r}: expected one of {SCALE_LOADS}")
+        for f in ("block_m", "block_n", "block_k"):
+            v = getattr(self, f)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"GemmConfig.{f}={v}: expected a power of two >= 16")
+        if self.block_k < 32:
+            raise ValueError(f"GemmConfig.block_k={self.block_k}: expected >= 32 (two 16-channel blocks)")
+
+
+DECODES = ("arith", "bits")
+SCALE_LOADS = ("reshape", "gather")
+
+
+def gemm_config(t: int, n: int, k: int, programs_per_row_tile: int = 1) -> GemmConfig:
+    """Heuristic tiles: decode (few tokens) streams the weight in 128 x 128 tiles with
+    split-K until ~2 waves of programs; prefill uses square MMA tiles. Measured on the H200
+    (benchmarks/results/2026-12-03-h200-run8, T=16, 4096 x 14336, GEMM only): bits decode
+    at 128 x 128 split 4 takes 85 us, against 156 us for the arith decode at 64 x 256."""
+    if t >= 256:
+        bk = 64 if k % 64 == 0 else 32
+        return GemmConfig(block_m=128, block_n=128, block_k=bk, num_warps=8, num_stages=3)
+    bm = 16 if t <= 16 else (32 if t <= 32 else 64)
+    bk = next(b for b in (128, 64, 32) if k % b == 0)
+    bn = 128 if n >= 128 else 64
+    tiles = -(-t // bm) * -(-n // bn) * programs_per_row_tile
+    split = 1
+    while tiles * split < 2 * NUM_SMS and (k // bk) % (split * 2) == 0 and k // (bk * split * 2) >= 2:
+        split *= 2
+    return GemmConfig(block_m=bm, block_n=bn, block_k=bk, split_k=split, num_warps=4, num_stages=4)
