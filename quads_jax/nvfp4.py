@@ -494,9 +494,18 @@ def block_values(t: NVFP4Tensor, dtype=jnp.bfloat16):
 def fake_quant(x, **kwargs):
     """``dequantize(quantize(x, **kwargs))`` in x's dtype, with a straight-through
     gradient: the identity for elements inside the representable range
-    (|x| <= 6 * 448 * global_scale; everything, with the dynamic global scale) and zero
-    for elements that saturate."""
-    return _fake_quant_ste(x, tuple(sorted(kwargs.items(), key=lambda kv: kv[0])))
+    (|x| <= 6 * 448 * global_scale) and zero for elements that saturate.
+
+    With the dynamic global scale (no ``global_scale`` given) nothing saturates by design,
+    so the gradient is the plain identity: no mask is computed or kept for the backward
+    pass (the QAT step's weights take this path). A mask there would also be wrong at the
+    margin: ``amax / (6 * 448)`` rounded to float32 can put the tensor's own max element one
+    ulp outside the limit, which zeroed its gradient in about 7% of random tensors."""
+    kw = tuple(sorted(kwargs.items(), key=lambda kv: kv[0]))
+    if kwargs.get("global_scale") is None:
+        y, _ = _fq_forward(jax.lax.stop_gradient(x), kw)
+        return _ste_identity(x, y)
+    return _fake_quant_ste(x, kw)
 
 
 def _fq_forward(x, kw):
@@ -523,6 +532,15 @@ def _ste_bwd(inside, g):
 
 
 _ste_core.defvjp(_ste_fwd, _ste_bwd)
+
+
+@jax.custom_vjp
+def _ste_identity(x, y):
+    del x
+    return y
+
+
+_ste_identity.defvjp(lambda x, y: (y, None), lambda _, g: (g, None))
 
 
 def _fake_quant_ste(x, kw):
