@@ -66,7 +66,7 @@ def fwd_bwd(cfg, batch, seq):
     return out, params
 
 
-def rollout(cfg, params, prompts, new_tokens, batch, recipes, out_dir):
+def rollout(cfg, params, prompts, new_tokens, batch, recipes, out_dir, backends=("pallas", "xla")):
     from pallas_kernels import use_backend
     from rollout.engine import Engine, Request
 
@@ -75,7 +75,7 @@ def rollout(cfg, params, prompts, new_tokens, batch, recipes, out_dir):
             for i in range(prompts)]
     out = RES.setdefault("rollout", {})
     for recipe in recipes:
-        for backend in (("xla",) if recipe in ("bf16", "fp8") else ("pallas", "xla")):
+        for backend in (("xla",) if recipe in ("bf16", "fp8") else backends):
             key = f"{recipe}/{backend}"
             try:
                 with use_backend(backend):
@@ -126,7 +126,9 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--decode-batch", type=int, default=64)
     ap.add_argument("--skip-train", action="store_true", help="only the rollout section")
+    ap.add_argument("--skip-rollout", action="store_true", help="only the train-step section")
     ap.add_argument("--recipes", default="bf16,fp8,nvfp4,quads,w4a16")
+    ap.add_argument("--backends", default="pallas,xla", help="kernel backends of the NVFP4 recipes")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     RES.update(date=datetime.date.today().isoformat(), device=jax.devices()[0].device_kind, jax=jax.__version__)
@@ -140,6 +142,14 @@ def main():
             RES["errors"][f"fwd_bwd_{bsz}x{seq}"] = f"{type(e).__name__}: {e}"[:600]
             traceback.print_exc()
     json.dump(RES, open(os.path.join(a.out, "model.json"), "w"), indent=1, default=str)
+    if not a.skip_rollout:
+        run_rollout_section(a, cfg, params)
+    json.dump(RES, open(os.path.join(a.out, "model.json"), "w"), indent=1, default=str)
+    open(os.path.join(a.out, "model.md"), "w").write(markdown(RES))
+    print(markdown(RES))
+
+
+def run_rollout_section(a, cfg, params):
     try:
         if params is None:
             from flax import nnx
@@ -147,13 +157,11 @@ def main():
             from quads_jax.train.state import split_params
             params = split_params(Transformer(cfg, rngs=nnx.Rngs(0)))[1]
         RES["rollout_setup"] = f"{a.prompts} prompts x {a.new_tokens} new tokens, batch {a.decode_batch}, prompt 64"
-        RES["rollout"] = rollout(cfg, params, a.prompts, a.new_tokens, a.decode_batch, a.recipes.split(","), a.out)
+        RES["rollout"] = rollout(cfg, params, a.prompts, a.new_tokens, a.decode_batch, a.recipes.split(","), a.out,
+                                 backends=tuple(a.backends.split(",")))
     except Exception as e:
         RES["errors"]["rollout"] = f"{type(e).__name__}: {e}"[:2000]
         traceback.print_exc()
-    json.dump(RES, open(os.path.join(a.out, "model.json"), "w"), indent=1, default=str)
-    open(os.path.join(a.out, "model.md"), "w").write(markdown(RES))
-    print(markdown(RES))
 
 
 if __name__ == "__main__":
