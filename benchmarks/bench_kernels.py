@@ -254,12 +254,16 @@ DECODE_SHAPES = [(2048, 768), (2048, 6144), (4096, 14336)]
 
 @section("decode")
 def decode(measure, ceil, quick):
+    import dataclasses
+
     import jax
     import jax.numpy as jnp
 
     from quads_jax import fp8, nvfp4 as F
     from pallas_kernels import fp8_matmul, nvfp4_matmul
+    from pallas_kernels.quantize_activations import quant_config
 
+    fused = lambda a: dataclasses.replace(quant_config(*a.shape), fused_amax=True)
     rows = []
     rng = np.random.default_rng(1)
     copy = ceil.get("copy_TBps") if ceil else None
@@ -277,8 +281,11 @@ def decode(measure, ceil, quick):
                 "bf16_dot": (dot_nt, (x, wb)),
                 "fp8_dot": (lambda a, w: fp8_matmul(a, w), (x, w8)),
                 "fp8_xla_dot": (lambda a, w: fp8_matmul(a, w, backend="xla"), (x, w8)),
-                "nvfp4_rho0": (lambda a, w: nvfp4_matmul(a, w, backend="pallas"), (x, w4)),
-                "nvfp4_rho0.5": (lambda a, w: nvfp4_matmul(a, w, rac_ratio=0.5, backend="pallas"), (x, w4)),
+                # act_scale="token": what the rollout's linears use (precision.linear)
+                "nvfp4_rho0": (lambda a, w: nvfp4_matmul(a, w, act_scale="token", backend="pallas"), (x, w4)),
+                "nvfp4_rho0.5": (lambda a, w: nvfp4_matmul(a, w, rac_ratio=0.5, act_scale="token", backend="pallas"), (x, w4)),
+                "nvfp4_rho0_fused_amax": (lambda a, w: nvfp4_matmul(a, w, act_scale="token", backend="pallas", quant_config=fused(a)), (x, w4)),
+                "nvfp4_rho0.5_fused_amax": (lambda a, w: nvfp4_matmul(a, w, rac_ratio=0.5, act_scale="token", backend="pallas", quant_config=fused(a)), (x, w4)),
                 "nvfp4_w4a16": (lambda a, w: nvfp4_matmul(a, w, mode="w4a16", backend="pallas"), (x, w4)),
                 "nvfp4_xla_rho0": (lambda a, w: nvfp4_matmul(a, w, backend="xla"), (x, w4)),
             }

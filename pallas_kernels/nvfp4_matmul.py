@@ -212,11 +212,12 @@ def _check_args(x, w, mode, rac_ratio, rac_mode, ndim=2):
         raise ValueError("rac_ratio: residual compensation needs mode='w4a4' (w4a16 has no activation error)")
 
 
-def quantized_operands(x, *, mode, rac_ratio, rac_mode, act_scale, backend):
+def quantized_operands(x, *, mode, rac_ratio, rac_mode, act_scale, backend, quant_config=None):
     """Activation side shared by the dense and grouped GEMMs: (x codes or None, residual)."""
     if mode == "w4a16":
         return None, None
-    return quantize_activations_rac(x, rac_ratio=rac_ratio, rac_mode=rac_mode, act_scale=act_scale, backend=backend)
+    return quantize_activations_rac(x, rac_ratio=rac_ratio, rac_mode=rac_mode, act_scale=act_scale, backend=backend,
+                                    config=quant_config)
 
 
 def nvfp4_matmul_xla(x, w, *, rac_ratio=0.0, rac_mode="token", act_scale="tensor", mode="w4a4", out_dtype=jnp.bfloat16):
@@ -238,12 +239,13 @@ def _bits(scales):
     return jax.lax.bitcast_convert_type(scales, jnp.uint8)
 
 
-def nvfp4_matmul(x, w, *, rac_ratio=0.0, rac_mode="token", act_scale="tensor", mode="w4a4", backend=None, out_dtype=jnp.bfloat16, config: GemmConfig | None = None):
+def nvfp4_matmul(x, w, *, rac_ratio=0.0, rac_mode="token", act_scale="tensor", mode="w4a4", backend=None, out_dtype=jnp.bfloat16, config: GemmConfig | None = None, quant_config=None):
     """x [T, K] @ W.T for an NVFP4 weight W [N, K] (checkpoint layout, quantized along K).
 
     mode "w4a4": activations quantized to NVFP4 on the fly (per-tensor or per-token global
     scale), plus RAC with ``rac_ratio`` (0 = naive W4A4); "w4a16": BF16 activations.
-    Returns [T, N] in ``out_dtype``. ``backend`` None uses the process default."""
+    Returns [T, N] in ``out_dtype``. ``backend`` None uses the process default; ``config``
+    and ``quant_config`` override the GEMM's and the activation quantizer's tuning."""
     if _backend.resolve(backend) == "xla":
         return nvfp4_matmul_xla(x, w, rac_ratio=rac_ratio, rac_mode=rac_mode, act_scale=act_scale, mode=mode, out_dtype=out_dtype)
     _check_args(x, w, mode, rac_ratio, rac_mode)
@@ -253,7 +255,8 @@ def nvfp4_matmul(x, w, *, rac_ratio=0.0, rac_mode="token", act_scale="tensor", m
         raise ValueError(f"x: the Pallas GEMM needs K % 32 == 0 (got K={k}); use backend='xla'")
     cfg = config or gemm_config(t, n, k)
     gw = jnp.reshape(jnp.asarray(w.global_scale, jnp.float32), (1,))
-    xq, rq = quantized_operands(x, mode=mode, rac_ratio=rac_ratio, rac_mode=rac_mode, act_scale=act_scale, backend="pallas")
+    xq, rq = quantized_operands(x, mode=mode, rac_ratio=rac_ratio, rac_mode=rac_mode, act_scale=act_scale, backend="pallas",
+                                quant_config=quant_config)
     w4a16 = mode == "w4a16"
     a = (x,) if w4a16 else (xq.codes, _bits(xq.scales))
     gx = None if w4a16 else xq.global_scale

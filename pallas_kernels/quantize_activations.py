@@ -38,6 +38,9 @@ class QuantConfig:
     chunk: int = 1024
     num_warps: int = 4
     num_stages: int = 1
+    # per-token global scales computed inside the kernel (a first pass over the row) instead
+    # of by XLA reductions before it; the same bits either way. Opt-in until timed on the GPU.
+    fused_amax: bool = False
 
 
 def quant_config(t: int, k: int) -> QuantConfig:
@@ -60,8 +63,21 @@ def _encode_pair(qe, qo, rows, chunk):
     return lo | (hi << 4)
 
 
-def _quant_kernel(x_ref, gx_ref, *refs, t, k, cfg, n_sel, use_mask, arith, interpret):
+def _row_global_scale(x_ref, row_sl, row_ok, k, c, arith, interpret):
+    """Per-row ``amax(|x|) / (6 * 448)`` (1.0 for an all-zero row), as ``nvfp4.global_scale_for``."""
+    amax = None
+    for j in range(k // c):
+        xe, xo = load_even_odd(x_ref, row_sl, j * c, c, row_ok, interpret, other=0.0)
+        m = jnp.maximum(jnp.abs(xe.astype(jnp.float32)).max(1, keepdims=True), jnp.abs(xo.astype(jnp.float32)).max(1, keepdims=True))
+        amax = m if amax is None else jnp.maximum(amax, m)
+    gs = arith.div(amax, nvfp4.E2M1_MAX * nvfp4.E4M3_MAX)
+    return jnp.where(gs == 0, 1.0, gs)
+
+
+def _quant_kernel(*refs, t, k, cfg, n_sel, use_mask, arith, interpret):
     refs = list(refs)
+    x_ref = refs.pop(0)
+    gx_ref = None if cfg.fused_amax else refs.pop(0)
     mask_ref = refs.pop(0) if use_mask else None
     xc_ref, xs_ref = refs[0], refs[1]
     rac_on = n_sel > 0 or use_mask
@@ -70,7 +86,11 @@ def _quant_kernel(x_ref, gx_ref, *refs, t, k, cfg, n_sel, use_mask, arith, inter
     i = pl.program_id(0)
     row_sl = pl.ds(i * bm, bm)
     row_ok = (i * bm + jnp.arange(bm) < t)[:, None]
-    gx = plgpu.load(gx_ref.at[row_sl, :], mask=row_ok, other=1.0)  # [bm, 1]
+    if cfg.fused_amax:
+        gx = _row_global_scale(x_ref, row_sl, row_ok, k, c, arith, interpret)  # [bm, 1]
+        plgpu.store(refs[-1].at[row_sl, :], gx, mask=row_ok)
+    else:
+        gx = plgpu.load(gx_ref.at[row_sl, :], mask=row_ok, other=1.0)  # [bm, 1]
     g3 = gx[:, :, None]
     pending = []
     for j in range(k // c):
@@ -135,10 +155,12 @@ def _quant_call(x, gx, mask, *, n_sel, use_mask, cfg, interpret):
     out_shape = [jax.ShapeDtypeStruct((t, k // 2), jnp.uint8), jax.ShapeDtypeStruct((t, k // 16), jnp.uint8)]
     if rac_on:
         out_shape = out_shape * 2
+    if cfg.fused_amax:
+        out_shape.append(jax.ShapeDtypeStruct((t, 1), jnp.float32))
     kernel = functools.partial(
         _quant_kernel, t=t, k=k, cfg=cfg, n_sel=n_sel, use_mask=use_mask, arith=kernel_arith(interpret), interpret=interpret
     )
-    args = (x, gx) + ((mask,) if use_mask else ())
+    args = (x,) + (() if cfg.fused_amax else (gx,)) + ((mask,) if use_mask else ())
     return pl.pallas_call(
         kernel,
         out_shape=out_shape,
@@ -174,19 +196,24 @@ def quantize_activations_rac(x, *, rac_ratio: float = 0.0, rac_mode: str = "toke
     XLA reference (same numbers)."""
     _check_x(x)
     rac.check_rac(rac_ratio, rac_mode)
-    gx = rac.activation_global_scale(x, act_scale)
     t, k = x.shape
     n_sel = rac.num_selected(rac_ratio, k // 16)
-    if _backend.resolve(backend) == "xla":
+    pallas = _backend.resolve(backend) == "pallas"
+    cfg = (config or quant_config(t, k)) if pallas else None
+    use_mask = rac_ratio > 0 and rac_mode != "token"
+    if pallas and cfg.fused_amax and (act_scale != "token" or use_mask):
+        cfg = dataclasses.replace(cfg, fused_amax=False)  # a per-tensor scale or mask needs the whole tensor first
+    gx = None if pallas and cfg.fused_amax else rac.activation_global_scale(x, act_scale)
+    if not pallas:
         xq = nvfp4.quantize(x.astype(jnp.float32), global_scale=gx)
         rq = rac.quantize_residual(x, gx, rac_ratio, rac_mode) if rac_ratio > 0 else None
         return xq, rq
-    cfg = config or quant_config(t, k)
-    use_mask = rac_ratio > 0 and rac_mode != "token"
     mask = None
     if use_mask:
         mask = rac.selection_mask(rac.residual(x, gx), rac_ratio, rac_mode).astype(jnp.int8)
     outs = _quant_call(x, gx, mask, n_sel=n_sel if rac_ratio > 0 else 0, use_mask=use_mask, cfg=cfg, interpret=_backend.interpret_mode())
+    if cfg.fused_amax:
+        *outs, gx = outs
     xq = _tensor(outs[0], outs[1], gx, (t, k))
     rq = _tensor(outs[2], outs[3], rac.residual_global_scale(gx), (t, k)) if len(outs) == 4 else None
     return xq, rq

@@ -162,3 +162,21 @@ def test_gemm_config_rejects_bad_values():
         pk.GemmConfig(block_m=16, block_n=32, block_k=64, decode="lut")
     with pytest.raises(ValueError, match="block_n"):
         pk.GemmConfig(block_m=16, block_n=48, block_k=64)
+
+
+@pytest.mark.parametrize("rho", [0.0, 0.5])
+def test_quantizer_fused_amax_equals_xla(rng, rho):
+    x = jnp.asarray(heavy(rng, (37, 512))).astype(jnp.bfloat16).at[3].set(0.0)  # an all-zero token
+    cfg = pk.QuantConfig(chunk=128, fused_amax=True)
+    xa, ra = pk.quantize_activations_rac(x, rac_ratio=rho, act_scale="token", backend="xla")
+    xb, rb = pk.quantize_activations_rac(x, rac_ratio=rho, act_scale="token", backend="pallas", config=cfg)
+    np.testing.assert_array_equal(np.asarray(xa.global_scale).view(np.uint32), np.asarray(xb.global_scale).view(np.uint32))
+    assert float(xb.global_scale[3, 0]) == 1.0
+    np.testing.assert_array_equal(np.asarray(xa.codes), np.asarray(xb.codes))
+    np.testing.assert_array_equal(np.asarray(xa.scales).view(np.uint8), np.asarray(xb.scales).view(np.uint8))
+    if rho:
+        np.testing.assert_array_equal(np.asarray(ra.codes), np.asarray(rb.codes))
+        np.testing.assert_array_equal(np.asarray(ra.global_scale), np.asarray(rb.global_scale))
+    # a per-tensor scale needs the whole tensor first: the option falls back to the XLA amax
+    xt = pk.quantize_activations(x, act_scale="tensor", backend="pallas", config=cfg)
+    np.testing.assert_array_equal(np.asarray(xt.codes), np.asarray(pk.quantize_activations(x, act_scale="tensor", backend="xla").codes))
