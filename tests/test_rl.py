@@ -273,3 +273,52 @@ def test_gap_and_run_plots(tmp_path):
     (d / "metrics.csv").write_text("step,reward_mean,gap_max\n0,0.1,0.5\n1,0.3,0.4\n")
     out = plot_runs([str(d)], str(tmp_path / "c.png"))
     assert os.path.getsize(out) > 5_000 and png.endswith("gap.png")
+
+
+def test_routing_replay_aligns_the_engines_experts_with_the_trainer(params):
+    """The engine's experts for generated token j are the routing of position len(prompt)-1+j;
+    rl_batch puts them there (-1 elsewhere) and the trainer replays exactly them."""
+    from quads_jax.model.moe import route
+    from quads_jax.rl import data as D
+
+    flat, model = params
+    eng = Engine(CFG, recipe="bf16", max_batch=2, max_len=32)
+    eng.load(flat)
+    prompts = [[1, 5, 6, 9], [3, 4]]
+    res = eng.generate([Request(prompt=p, max_new_tokens=6, seed=i, return_experts=True) for i, p in enumerate(prompts)])
+    b = D.rl_batch(prompts, [r.output_ids for r in res], [r.logprobs for r in res], 16, experts=[r.experts for r in res])
+    f = b["forced_experts"]  # [B, L, T, k]
+    assert f.shape == (2, 2, 16, 2)
+    assert (f[0, :, :3] == -1).all() and (f[0, :, 3:9] >= 0).all() and (f[0, :, 9:] == -1).all()
+    # unforced, the trainer (same float32 model) routes those positions the same way: the alignment
+    _, aux = token_logprobs(model, jnp.asarray(b["tokens"]), jnp.asarray(b["attn"]), return_aux=True)
+    own = np.asarray(aux["experts"]).transpose(1, 0, 2, 3)  # [B, L, T, k]
+    sel = f >= 0
+    np.testing.assert_array_equal(np.sort(own, -1)[sel], np.sort(f, -1)[sel])
+    # forced: the replayed ids, and -1 rows keep their own top-k
+    forced = np.array(f)
+    forced[1, :, 1] = (own[1, :, 1] + 1) % CFG.n_experts  # replay something else at one position
+    _, aux2 = token_logprobs(model, jnp.asarray(b["tokens"]), jnp.asarray(b["attn"]),
+                             forced_experts=jnp.asarray(forced).transpose(1, 0, 2, 3), return_aux=True)
+    got = np.asarray(aux2["experts"]).transpose(1, 0, 2, 3)
+    np.testing.assert_array_equal(got[1, :, 1], forced[1, :, 1])
+    np.testing.assert_array_equal(got[0, :, :3], own[0, :, :3])
+    probs, ids, w = route(jnp.array([[0.0, 2.0, 1.0, -1.0]] * 2), 2, True, jnp.array([[3, 0], [-1, -1]]))
+    assert ids.tolist() == [[3, 0], [1, 2]] and np.allclose(np.asarray(w).sum(-1), 1.0)
+    with pytest.raises(ValueError, match="expert rows"):
+        D.rl_batch(prompts, [r.output_ids for r in res], [r.logprobs for r in res], 16, experts=[res[0].experts[:2], res[1].experts])
+
+
+def test_grpo_with_kl_reference_and_routing_replay(tmp_path):
+    from quads_jax.metrics import read_csv
+    from quads_jax.rl import loop
+
+    path = _digits_config(tmp_path, steps=2, prompts=2, group=4)
+    cfg = loop.JobConfig.load(path, {"rl.grpo": {"group_size": 4, "kl_coef": 0.1, "routing_replay": True}})
+    g, params, _ = split_params(Transformer(cfg.model, rngs=nnx.Rngs(0)))
+    _, hist = loop.run_grpo(cfg, g, params, cfg.model, str(tmp_path / "run"))
+    rows = [h for h in hist if "reward_mean" in h]
+    assert len(rows) == 2 and all(np.isfinite(h["kl_ref"]) and h["kl_ref"] >= 0 for h in rows)
+    assert rows[0]["kl_ref"] < 1e-6  # the first step's policy is the reference
+    m = read_csv(str(tmp_path / "run" / "metrics.csv"))
+    assert "kl_ref" in m and np.isfinite(m["kl_ref"][1])

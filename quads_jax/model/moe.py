@@ -21,12 +21,13 @@ from quads_jax.model.layers import MLP, Linear, param, value
 def route(logits, k: int, normalize: bool, forced=None):
     """Softmax router in float32: (probs [N, E], top-k ids [N, k], weights [N, k]).
 
-    ``forced`` [N, k] replays given experts (routing replay); weights are their probs."""
+    ``forced`` [N, k] replays given experts (routing replay); weights are their probs. Rows
+    whose forced ids are negative (-1) are not forced: they take their own top-k."""
     probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    if forced is None:
-        w, ids = jax.lax.top_k(probs, k)
-    else:
-        ids = forced.astype(jnp.int32)
+    w, ids = jax.lax.top_k(probs, k)
+    if forced is not None:
+        f = forced.astype(jnp.int32)
+        ids = jnp.where(jnp.all(f >= 0, axis=-1, keepdims=True), f, ids)
         w = jnp.take_along_axis(probs, ids, axis=-1)
     if normalize:
         w = w / jnp.sum(w, axis=-1, keepdims=True)

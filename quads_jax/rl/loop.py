@@ -44,7 +44,7 @@ RECIPES = {
 }
 
 RL_COLUMNS = ["step", "reward_mean", "pass_at_1", "gap_max", "gap_mean", "k3_kl", "entropy", "response_len",
-              "clip_frac", "grad_norm", "loss", "skipped", "tokens_per_s", "weight_sync_s", "rollout_s", "train_s"]
+              "clip_frac", "grad_norm", "loss", "skipped", "kl_ref", "tokens_per_s", "weight_sync_s", "rollout_s", "train_s"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,15 +198,22 @@ def run_grpo(cfg: JobConfig, graphdef, params, mcfg, out_dir: str, *, log=print,
     # the train step donates its state: copy, so the caller's params (a shared base policy) stay valid
     state = init_state(jax.tree.map(jnp.copy, params), tx, cfg.seed + 1)
 
+    def forced(batch):  # [B, L, T, k] in the batch (sharded along B) -> the model's [L, B, T, k]
+        f = batch.get("forced_experts")
+        return None if f is None else jnp.moveaxis(f, 1, 0)
+
     def loss_fn(model, batch, rng):
         del rng
-        logp = token_logprobs(model, batch["tokens"], batch["attn"], precision=train_prec)
+        logp = token_logprobs(model, batch["tokens"], batch["attn"], precision=train_prec, forced_experts=forced(batch))
         loss, m = G.policy_loss(logp, batch["old_logp"], batch["adv"], batch["resp_mask"], gcfg,
-                                rollout_logp=batch["rollout_logp"])
+                                rollout_logp=batch["rollout_logp"], ref_logp=batch.get("ref_logp"))
         return loss, m
 
     step_fn = make_train_step(graphdef, tx, loss_fn)
-    score = jax.jit(lambda p, t, a: token_logprobs(to_model(graphdef, p), t, a, precision=train_prec))
+    score = jax.jit(lambda p, b: token_logprobs(to_model(graphdef, p), b["tokens"], b["attn"], precision=train_prec,
+                                                forced_experts=forced(b)))
+    # KL to a reference: the starting policy, frozen (its own copy: the step donates the state)
+    ref_params = jax.tree.map(jnp.copy, params) if gcfg.kl_coef > 0 else None
     if rl.rollout_url:
         from rollout.client import RemoteRollout, RolloutClient
 
@@ -236,14 +243,20 @@ def run_grpo(cfg: JobConfig, graphdef, params, mcfg, out_dir: str, *, log=print,
         probs = [train[j] for j in rng.integers(0, len(train), rl.prompts_per_step)]
         prompts = [D.prompt_ids(tok, p.prompt) for p in probs for _ in range(gcfg.group_size)]
         reqs = [Request(prompt=pr, max_new_tokens=rl.max_new_tokens, temperature=rl.temperature, top_p=rl.top_p,
-                        seed=int(rng.integers(0, 2**31))) for pr in prompts]
+                        seed=int(rng.integers(0, 2**31)), return_experts=gcfg.routing_replay) for pr in prompts]
         res = engine.generate(reqs)
+        if gcfg.routing_replay and any(r.experts is None for r in res):
+            raise ValueError("grpo.routing_replay: the rollout returned no experts (the HTTP server does not; "
+                             "use the in-process engine, rl.rollout_url unset)")
         t2 = time.perf_counter()
         rewards = np.array([task.reward(probs[k // gcfg.group_size], tok.decode(r.output_ids)) for k, r in enumerate(res)],
                            np.float32)
-        b = D.rl_batch(prompts, [r.output_ids for r in res], [r.logprobs for r in res], rl.seq_len)
+        b = D.rl_batch(prompts, [r.output_ids for r in res], [r.logprobs for r in res], rl.seq_len,
+                       experts=[r.experts for r in res] if gcfg.routing_replay else None)
         b = {k: jnp.asarray(v) for k, v in b.items()}
-        old = score(state.params, b["tokens"], b["attn"])
+        old = score(state.params, b)
+        if ref_params is not None:
+            b["ref_logp"] = score(ref_params, b)
         gaps = jax.device_get(G.gap_metrics(old, b["rollout_logp"], b["resp_mask"]))
         b["old_logp"] = old
         b["adv"] = G.group_advantages(jnp.asarray(rewards), gcfg.group_size, gcfg.adv_eps)
@@ -255,6 +268,7 @@ def run_grpo(cfg: JobConfig, graphdef, params, mcfg, out_dir: str, *, log=print,
         row.update(reward_mean=float(rewards.mean()), **{k: float(v) for k, v in gaps.items()},
                    entropy=ent, response_len=n_tok / len(res), clip_frac=float(m["clip_frac"]),
                    grad_norm=float(m["grad_norm"]), loss=float(m["loss"]), skipped=int(m["skipped"]),
+                   **({"kl_ref": float(m["kl_ref"])} if "kl_ref" in m else {}),
                    tokens_per_s=n_tok / max(t2 - t1, 1e-9), weight_sync_s=t1 - t0, rollout_s=t2 - t1, train_s=t3 - t2)
         writer.write(i, row)
         history.append({"step": i, **row})
