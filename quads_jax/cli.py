@@ -4,6 +4,7 @@
     quads sft   --config configs/tiny_cpu.yaml --out runs/base
     quads gap   --config configs/tiny_cpu.yaml --out runs/gap        # log-prob gap of every recipe
     quads compare --config configs/tiny_cpu.yaml --out runs/cmp --recipes bf16,nvfp4_naive,quads
+    quads train --config configs/tiny_cpu.yaml --config configs/recipes/bf16.yaml --out runs/bf16   # layered
     quads plot  runs/a runs/b --out runs/compare.png
     quads demo                                                       # NVFP4 error table
     quads serve --config configs/tiny_cpu.yaml --recipe quads --port 30000   # SGLang-API rollout server
@@ -163,7 +164,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     def common(p, out_default):
-        p.add_argument("--config", default="configs/tiny_cpu.yaml")
+        p.add_argument("--config", action="append", default=None, help="job config YAML; repeat to layer files "
+                       "(later ones override), e.g. --config configs/tiny_cpu.yaml --config configs/recipes/bf16.yaml")
         p.add_argument("--out", default=out_default)
         p.add_argument("--set", nargs="+", action="extend", default=[], help="config overrides KEY=VALUE, repeatable (e.g. --set rl.steps=5 rl.recipe=bf16)")
 
@@ -186,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="runs/plot.png")
     p.set_defaults(fn=cmd_plot)
     p = sub.add_parser("serve", help="rollout server with SGLang's HTTP API")
-    p.add_argument("--config", default="configs/tiny_cpu.yaml")
+    p.add_argument("--config", action="append", default=None, help="job config YAML (repeatable, layered)")
     p.add_argument("--checkpoint", default=None, help="orbax checkpoint or HF directory (default: random init)")
     p.add_argument("--recipe", default="quads", help="bf16 | fp8 | nvfp4 | quads | w4a16")
     p.add_argument("--host", default="127.0.0.1")
@@ -206,8 +208,13 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+DEFAULT_CONFIG = "configs/tiny_cpu.yaml"
+
+
 def main(argv=None):
     a = build_parser().parse_args(argv)
+    if hasattr(a, "config"):
+        a.config = a.config or [DEFAULT_CONFIG]
     a.fn(a)
 
 

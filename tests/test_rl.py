@@ -322,3 +322,24 @@ def test_grpo_with_kl_reference_and_routing_replay(tmp_path):
     assert rows[0]["kl_ref"] < 1e-6  # the first step's policy is the reference
     m = read_csv(str(tmp_path / "run" / "metrics.csv"))
     assert "kl_ref" in m and np.isfinite(m["kl_ref"][1])
+
+
+def test_recipe_configs_layer_on_a_job_config():
+    import glob
+
+    from quads_jax import cli
+    from quads_jax.rl import loop
+
+    files = sorted(glob.glob("configs/recipes/*.yaml"))
+    assert {os.path.basename(f)[:-5] for f in files} == set(loop.RECIPES)  # one file per recipe
+    base = loop.JobConfig.load("configs/tiny_cpu.yaml")
+    for f in files:
+        cfg = loop.JobConfig.load(["configs/tiny_cpu.yaml", f])
+        assert cfg.rl.recipe == os.path.basename(f)[:-5]
+        # the layer replaces only its keys: the rest of rl and the model come from the base
+        assert (cfg.rl.steps, cfg.rl.grpo, cfg.model) == (base.rl.steps, base.rl.grpo, base.model)
+    assert loop.JobConfig.load(["configs/tiny_cpu.yaml", "configs/recipes/quads.yaml"], {"rl.rac_ratio": 0.25}).rl.rac_ratio == 0.25
+    a = cli.build_parser().parse_args(["train", "--config", "configs/tiny_cpu.yaml", "--config", "configs/recipes/bf16.yaml"])
+    assert a.config == ["configs/tiny_cpu.yaml", "configs/recipes/bf16.yaml"]
+    with pytest.raises(FileNotFoundError, match="nope.yaml"):
+        loop.JobConfig.load(["configs/tiny_cpu.yaml", "configs/recipes/nope.yaml"])

@@ -90,11 +90,21 @@ class JobConfig:
     kernel_backend: str | None = None  # `kernels: {backend: pallas|xla}`; None: the process default
 
     @classmethod
-    def load(cls, path: str, overrides: dict | None = None) -> "JobConfig":
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"config file not found: {path}")
-        with open(path) as f:
-            d = yaml.safe_load(f) or {}
+    def load(cls, path, overrides: dict | None = None) -> "JobConfig":
+        """A job config from one YAML file or several layered in order (later files override
+        earlier ones key by key, e.g. a base job then ``configs/recipes/bf16.yaml``), then
+        dotted ``overrides`` ("rl.recipe": "bf16")."""
+        paths = [path] if isinstance(path, (str, os.PathLike)) else list(path)
+        d: dict = {}
+        for one in paths:
+            if not os.path.exists(one):
+                raise FileNotFoundError(f"config file not found: {one}")
+            with open(one) as f:
+                layer = yaml.safe_load(f) or {}
+            if not isinstance(layer, dict):
+                raise ValueError(f"{one}: expected a mapping of config keys, got {type(layer).__name__}")
+            d = _merge(d, layer)
+        path = " + ".join(str(p) for p in paths)
         for k, v in (overrides or {}).items():  # "rl.recipe=bf16"
             node = d
             parts = k.split(".")
@@ -117,6 +127,14 @@ class JobConfig:
         return cls(seed=int(d.get("seed", 0)), model=from_dict(d.get("model") or {}), task=name, task_kwargs=task,
                    sft=build(SFTConfig, d.get("sft"), "sft"), rl=rl, train_n=int(d.get("train_n", 4000)),
                    kernel_backend=backend)
+
+
+def _merge(base: dict, top: dict) -> dict:
+    """Deep merge of config mappings: ``top`` wins, nested mappings merge key by key."""
+    out = dict(base)
+    for k, v in top.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
 
 
 def make_task(cfg: JobConfig):
