@@ -198,16 +198,16 @@ def quantize_activations_rac(x, *, rac_ratio: float = 0.0, rac_mode: str = "toke
     rac.check_rac(rac_ratio, rac_mode)
     t, k = x.shape
     n_sel = rac.num_selected(rac_ratio, k // 16)
-    pallas = _backend.resolve(backend) == "pallas"
-    cfg = (config or quant_config(t, k)) if pallas else None
-    use_mask = rac_ratio > 0 and rac_mode != "token"
-    if pallas and cfg.fused_amax and (act_scale != "token" or use_mask):
-        cfg = dataclasses.replace(cfg, fused_amax=False)  # a per-tensor scale or mask needs the whole tensor first
-    gx = None if pallas and cfg.fused_amax else rac.activation_global_scale(x, act_scale)
-    if not pallas:
+    if _backend.resolve(backend) == "xla":
+        gx = rac.activation_global_scale(x, act_scale)
         xq = nvfp4.quantize(x.astype(jnp.float32), global_scale=gx)
         rq = rac.quantize_residual(x, gx, rac_ratio, rac_mode) if rac_ratio > 0 else None
         return xq, rq
+    cfg = config or quant_config(t, k)
+    use_mask = rac_ratio > 0 and rac_mode != "token"
+    if cfg.fused_amax and (act_scale != "token" or use_mask):
+        cfg = dataclasses.replace(cfg, fused_amax=False)  # a per-tensor scale or mask needs the whole tensor first
+    gx = None if cfg.fused_amax else rac.activation_global_scale(x, act_scale)
     mask = None
     if use_mask:
         mask = rac.selection_mask(rac.residual(x, gx), rac_ratio, rac_mode).astype(jnp.int8)
