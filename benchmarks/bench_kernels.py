@@ -22,6 +22,7 @@ Writes DIR/kernels.json and DIR/kernels.md.
 from __future__ import annotations
 
 import argparse
+import functools
 import datetime
 import glob
 import importlib
@@ -42,6 +43,7 @@ OUT_DIR = ""
 
 def section(name):
     def wrap(fn):
+        @functools.wraps(fn)  # fn stays reachable as run.__wrapped__
         def run(*a, **k):
             t0 = time.time()
             try:
@@ -378,6 +380,19 @@ def grouped(measure):
     return rows
 
 
+def swap_candidates(base):
+    """The heuristic's tiles against swap_ab (weight as the MMA's M operand) variants."""
+    import dataclasses as dc
+
+    out = [base, dc.replace(base, scale_load="gather"), dc.replace(base, swap_ab=True), dc.replace(base, swap_ab=True, scale_load="gather")]
+    for bn, bk, split, warps, stages in [(64, 128, None, 4, 4), (128, 256, None, 4, 3), (256, 128, None, 8, 3),
+                                         (128, 128, None, 8, 4), (64, 256, None, 4, 4), (128, 64, None, 4, 5)]:
+        for sl in ("reshape", "gather"):
+            out.append(dc.replace(base, block_n=bn, block_k=bk, split_k=base.split_k if split is None else split,
+                                  num_warps=warps, num_stages=stages, swap_ab=True, scale_load=sl))
+    return out
+
+
 def sweep_candidates(base):
     """Decode variants at the heuristic's tiles, then tile shapes with the variants."""
     import dataclasses as dc
@@ -393,7 +408,7 @@ def sweep_candidates(base):
 
 
 @section("sweep")
-def sweep(measure, copy_tbps=None, shapes=((16, 4096, 14336), (64, 2048, 768))):
+def sweep(measure, copy_tbps=None, shapes=((16, 4096, 14336), (64, 2048, 768)), candidates=None):
     """GEMM-only kernel time (operands quantized beforehand) over tile configs and decode
     variants; every config is checked against the XLA reference first."""
     import jax.numpy as jnp
@@ -417,10 +432,10 @@ def sweep(measure, copy_tbps=None, shapes=((16, 4096, 14336), (64, 2048, 768))):
         base = NM.gemm_config(t, n, k)
         interp = _backend.interpret_mode()
         ref0 = np.asarray(NM.nvfp4_matmul_xla(x, w, act_scale="token", out_dtype=jnp.float32))
-        for i, cfg in enumerate(sweep_candidates(base)):
+        for i, cfg in enumerate((candidates or sweep_candidates)(base)):
             if k % (cfg.block_k * cfg.split_k):
                 continue
-            row = {"T": t, "K": k, "N": n, **{f: getattr(cfg, f) for f in ("block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages", "decode", "scale_load")}}
+            row = {"T": t, "K": k, "N": n, **{f: getattr(cfg, f) for f in ("block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages", "decode", "scale_load", "swap_ab")}}
             try:
                 # rho 0 for every config; rho 0.5 for the decode variants at the heuristic's tiles
                 for name, rr, want in (("rho0", None, ref0), ("rho0.5", r, ref))[: 2 if i < 4 else 1]:
@@ -558,6 +573,12 @@ def sass(out_dir):
             res[os.path.basename(p)]["ptxas_error"] = r.stderr[:300]
     return res
 
+@section("swap")
+def swap_sweep(measure, copy_tbps=None):
+    """The sweep over swap_ab variants, at T = 1, 16, 64 on the largest decode shape."""
+    return sweep.__wrapped__(measure, copy_tbps, shapes=((16, 4096, 14336), (64, 4096, 14336), (1, 4096, 14336), (16, 2048, 6144)),
+                             candidates=swap_candidates)
+
 
 def markdown(res) -> str:
     s = res["sections"]
@@ -617,6 +638,8 @@ def main():
         decode(measure, ceil, args.quick)
     if want("sweep"):
         sweep(measure, (ceil or {}).get("copy_TBps"))
+    if want("swap"):
+        swap_sweep(measure, (ceil or {}).get("copy_TBps"))
     if want("triton"):
         triton_parity(measure)
     if want("prefill"):

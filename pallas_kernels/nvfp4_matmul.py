@@ -67,20 +67,23 @@ def _dot_nt(a, b):
 def gemm_tile_loop(*, k_start, steps, cfg, load_a, load_r, load_w, interpret):
     """The shared main loop: accumulates A @ W.T (and R @ W.T) over ``steps`` K-tiles."""
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    # swap_ab: accumulate the transposed tile W @ A.T ([bn, bm]) and transpose it once at the end
+    pair = (lambda a, w: _dot_nt(w, a)) if cfg.swap_ab else _dot_nt
 
     def body(i, accs):
         k0 = k_start + i * bk
         w_lo, w_hi = load_w(k0)
         a_lo, a_hi = load_a(k0)
-        acc = accs[0] + _dot_nt(a_lo, w_lo) + _dot_nt(a_hi, w_hi)
+        acc = accs[0] + pair(a_lo, w_lo) + pair(a_hi, w_hi)
         if load_r is None:
             return (acc,)
         r_lo, r_hi = load_r(k0)
-        return (acc, accs[1] + _dot_nt(r_lo, w_lo) + _dot_nt(r_hi, w_hi))
+        return (acc, accs[1] + pair(r_lo, w_lo) + pair(r_hi, w_hi))
 
-    zeros = jnp.zeros((bm, bn), jnp.float32)
+    zeros = jnp.zeros((bn, bm) if cfg.swap_ab else (bm, bn), jnp.float32)
     init = (zeros,) if load_r is None else (zeros, zeros)
-    return jax.lax.fori_loop(0, steps, body, init)
+    accs = jax.lax.fori_loop(0, steps, body, init)
+    return tuple(a.T for a in accs) if cfg.swap_ab else accs
 
 
 def make_loaders(*, a_refs, r_refs, w_refs, row_sl, row_ok, col_sl, col_ok, cfg, w4a16, interpret, w_index=()):

@@ -24,6 +24,11 @@ class GemmConfig:
     # block scales: "reshape" (load [rows, bk/16], broadcast + reshape in registers) or
     # "gather" (load each scale byte once per channel pair: [rows, bk/2], no reshape)
     scale_load: str = "reshape"
+    # Pallas only: compute the tile as (W @ A.T).T, so the weight (block_n rows) is the MMA's
+    # M operand and the few tokens its N. Hopper's wgmma needs M >= 64 but takes N = 8..256,
+    # and can read its M operand from registers, where the weight is decoded; unswapped, a
+    # 16-token tile is too small for wgmma and the decoded weight goes through shared memory
+    swap_ab: bool = False
 
     def __post_init__(self):
         if self.decode not in DECODES:
