@@ -2,6 +2,7 @@
 # One or two device calls (~11 min in all) for what the open issues still need measured, most important first;
 # each stage has its own time cap, and what a stage measured survives a later one's failure.
 #   0. swap_ab GEMM variants against the current default (#8)
+#   0b. prefill TFLOP/s: fused kernel vs path="dequant" (decode once + BF16 dot) (#8)
 #   1. the Triton GEMM on the GPU: torch launch vs the torch reference, jax-triton vs Pallas (#5)
 #   2. SASS: tensor-core MMA instructions in the Pallas GEMM (#8)
 #   3. the Triton section: parity and GEMM-only times, jax-triton vs torch vs Pallas (#5)
@@ -16,9 +17,10 @@ mkdir -p "$o"
 export PYTHONUNBUFFERED=1 PYTHONPATH=.:/tmp/site:${PYTHONPATH:-} TRITON_HOME=/tmp/triton_home TRITON_CACHE_DIR=/tmp/triton_cache
 mkdir -p "$TRITON_HOME" "$TRITON_CACHE_DIR"
 # STAGES picks a subset by name (default: all, in this order)
-STAGES="${STAGES:-swap triton_smoke sass triton decode train rollout}"
+STAGES="${STAGES:-swap prefill triton_smoke sass triton decode train rollout}"
 stage() { local cap=$1 name=$2; shift 2; [[ " $STAGES " == *" $name "* ]] || return 0; echo "== $name (cap ${cap}s)"; timeout "$cap" "$@" > "$o/$name.log" 2>&1; echo "   rc=$?"; grep -v -E "Warning|warn" "$o/$name.log" | tail -4; }
 stage 120 swap python3 benchmarks/bench_kernels.py --only ceilings,swap --out "$o/swap"
+stage 70 prefill python3 benchmarks/bench_kernels.py --only ceilings,prefill --out "$o/prefill"
 stage 50 triton_smoke python3 benchmarks/triton_smoke.py
 stage 40 sass python3 benchmarks/bench_kernels.py --only sass --out "$o/sass"
 stage 70 triton python3 benchmarks/bench_kernels.py --only triton --out "$o/triton"

@@ -168,6 +168,9 @@ def nvfp4_grouped_matmul(x, w, group_sizes, *, rac_ratio=0.0, rac_mode="token", 
         raise ValueError(f"x: the Pallas GEMM needs K % 32 == 0 (got K={k}); use backend='xla'")
     # tiles sized for the rows an expert gets on average (decode: a few), not for all rows
     cfg = config or gemm_config(-(-m // e), n, k, programs_per_row_tile=e)
+    if cfg.path != "fused":
+        raise ValueError(f"config: GemmConfig.path={cfg.path!r} is for the dense GEMM; the grouped GEMM is fused only "
+                         "(backend='xla' runs lax.ragged_dot on the decoded values)")
     xq, rq = quantized_operands(x, mode=mode, rac_ratio=rac_ratio, rac_mode=rac_mode, act_scale=act_scale, backend="pallas")
     w4a16 = mode == "w4a16"
     a = (x,) if w4a16 else (xq.codes, _bits(xq.scales))

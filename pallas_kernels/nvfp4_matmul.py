@@ -15,7 +15,10 @@ interleave in registers. Block scales (one per 16 channels = 8 packed bytes) are
 along the packed axis with a broadcast + reshape.
 
 ``mode="w4a16"`` keeps the activations in BF16 (weight-only quantization). Decode-size
-problems (few tokens) use split-K so that enough programs stream the weight.
+problems (few tokens) use split-K so that enough programs stream the weight. Prefill-size
+problems (``GemmConfig.path="dequant"``, the default from 512 tokens) decode both operands
+to BF16 once and run the dense BF16 dot: the fused kernel would decode each weight tile
+once per row tile, and the dense dot's MMA pipeline is far faster than decode + MMA.
 """
 
 from __future__ import annotations
@@ -226,12 +229,21 @@ def quantized_operands(x, *, mode, rac_ratio, rac_mode, act_scale, backend, quan
 def nvfp4_matmul_xla(x, w, *, rac_ratio=0.0, rac_mode="token", act_scale="tensor", mode="w4a4", out_dtype=jnp.bfloat16):
     """The XLA reference: the same operands and epilogue with ``jnp.dot`` (BF16 in, FP32 out)."""
     _check_args(x, w, mode, rac_ratio, rac_mode)
+    if mode == "w4a16":
+        return dequant_dot(None, None, w, x=x, out_dtype=out_dtype)
+    xq, rq = quantized_operands(x, mode=mode, rac_ratio=rac_ratio, rac_mode=rac_mode, act_scale=act_scale, backend="xla")
+    return dequant_dot(xq, rq, w, out_dtype=out_dtype)
+
+
+def dequant_dot(xq, rq, w, *, x=None, out_dtype=jnp.bfloat16):
+    """gw * (gx * Xv @ Wv.T + gr * Rv @ Wv.T) from the operands' BF16 block values (exact)
+    with a BF16 dot accumulating in FP32; ``xq`` None means BF16 activations ``x`` (w4a16).
+    The XLA reference, and the Pallas backend's ``path="dequant"`` (prefill sizes)."""
     wv = nvfp4.block_values(w, jnp.bfloat16)
     dot = lambda a: jax.lax.dot_general(a, wv, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     gw = jnp.asarray(w.global_scale, jnp.float32)
-    if mode == "w4a16":
+    if xq is None:
         return (dot(x.astype(jnp.bfloat16)) * gw).astype(out_dtype)
-    xq, rq = quantized_operands(x, mode=mode, rac_ratio=rac_ratio, rac_mode=rac_mode, act_scale=act_scale, backend="xla")
     out = dot(nvfp4.block_values(xq)) * xq.global_scale
     if rq is not None:
         out = out + dot(nvfp4.block_values(rq)) * rq.global_scale
@@ -261,6 +273,8 @@ def nvfp4_matmul(x, w, *, rac_ratio=0.0, rac_mode="token", act_scale="tensor", m
     xq, rq = quantized_operands(x, mode=mode, rac_ratio=rac_ratio, rac_mode=rac_mode, act_scale=act_scale, backend="pallas",
                                 quant_config=quant_config)
     w4a16 = mode == "w4a16"
+    if cfg.path == "dequant":
+        return dequant_dot(xq, rq, w, x=x, out_dtype=out_dtype)
     a = (x,) if w4a16 else (xq.codes, _bits(xq.scales))
     gx = None if w4a16 else xq.global_scale
     r = None if rq is None else (rq.codes, _bits(rq.scales))

@@ -29,10 +29,18 @@ class GemmConfig:
     # and can read its M operand from registers, where the weight is decoded; unswapped, a
     # 16-token tile is too small for wgmma and the decoded weight goes through shared memory
     swap_ab: bool = False
+    # "fused": one kernel decodes and multiplies tile by tile; "dequant": decode both operands
+    # to their BF16 block values once (XLA fuses it, memory-bound) and run the dense BF16 dot
+    # (cuBLAS). Same numbers up to accumulation order. The fused kernel decodes every weight
+    # tile once per row tile, so at prefill sizes its decode work is T / block_m times the
+    # weight, and the dot's MMA pipeline is far ahead; decode sizes move the weight once.
+    path: str = "fused"
 
     def __post_init__(self):
         if self.decode not in DECODES:
             raise ValueError(f"GemmConfig.decode={self.decode!r}: expected one of {DECODES}")
+        if self.path not in PATHS:
+            raise ValueError(f"GemmConfig.path={self.path!r}: expected one of {PATHS}")
         if self.scale_load not in SCALE_LOADS:
             raise ValueError(f"GemmConfig.scale_load={self.scale_load!r}: expected one of {SCALE_LOADS}")
         for f in ("block_m", "block_n", "block_k"):
@@ -45,6 +53,8 @@ class GemmConfig:
 
 DECODES = ("arith", "bits")
 SCALE_LOADS = ("reshape", "gather")
+PATHS = ("fused", "dequant")
+PREFILL_DEQUANT_MIN_T = 512  # token count from which the dense GEMM takes path="dequant"
 
 
 def gemm_config(t: int, n: int, k: int, programs_per_row_tile: int = 1) -> GemmConfig:
@@ -54,7 +64,8 @@ def gemm_config(t: int, n: int, k: int, programs_per_row_tile: int = 1) -> GemmC
     at 128 x 128 split 4 takes 85 us, against 156 us for the arith decode at 64 x 256."""
     if t >= 256:
         bk = 64 if k % 64 == 0 else 32
-        return GemmConfig(block_m=128, block_n=128, block_k=bk, num_warps=8, num_stages=3)
+        path = "dequant" if t >= PREFILL_DEQUANT_MIN_T and programs_per_row_tile == 1 else "fused"
+        return GemmConfig(block_m=128, block_n=128, block_k=bk, num_warps=8, num_stages=3, path=path)
     bm = 16 if t <= 16 else (32 if t <= 32 else 64)
     bk = next(b for b in (128, 64, 32) if k % b == 0)
     bn = 128 if n >= 128 else 64

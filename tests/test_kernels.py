@@ -164,9 +164,27 @@ def test_gemm_decode_variants_equal_xla(rng, decode, scale_load, swap_ab):
         assert rel(b, a) < 1e-5
 
 
+def test_prefill_path_dequant_equals_xla_and_is_the_large_t_default(rng):
+    assert pk.gemm_config(4096, 4096, 4096).path == "dequant"
+    assert pk.gemm_config(16, 4096, 4096).path == "fused"
+    assert pk.gemm_config(4096, 768, 2048, programs_per_row_tile=64).path == "fused"  # grouped: fused only
+    x = jnp.asarray(heavy(rng, (40, 256))).astype(jnp.bfloat16)
+    w = nvfp4.quantize(jnp.asarray(rng.standard_normal((96, 256)).astype(np.float32)))
+    cfg = pk.GemmConfig(block_m=16, block_n=32, block_k=64, path="dequant")
+    for kw in ({"rac_ratio": 0.5, "act_scale": "token"}, {"mode": "w4a16"}, {}):
+        a = pk.nvfp4_matmul(x, w, backend="xla", out_dtype=jnp.float32, **kw)
+        b = pk.nvfp4_matmul(x, w, backend="pallas", out_dtype=jnp.float32, config=cfg, **kw)
+        assert rel(b, a) < 1e-6, kw
+    wg = nvfp4.quantize(jnp.ones((2, 32, 256)), keep_axes=(0,))
+    with pytest.raises(ValueError, match="path"):
+        pk.nvfp4_grouped_matmul(x, wg, jnp.asarray([20, 20]), backend="pallas", config=cfg)
+
+
 def test_gemm_config_rejects_bad_values():
     with pytest.raises(ValueError, match="decode"):
         pk.GemmConfig(block_m=16, block_n=32, block_k=64, decode="lut")
+    with pytest.raises(ValueError, match="path"):
+        pk.GemmConfig(block_m=16, block_n=32, block_k=64, path="cublas")
     with pytest.raises(ValueError, match="block_n"):
         pk.GemmConfig(block_m=16, block_n=48, block_k=64)
 

@@ -139,20 +139,28 @@ def dequantize_weight(weight, weight_scale, weight_scale_2=None):
     return out if weight_scale_2 is None else out * torch.as_tensor(weight_scale_2, dtype=torch.float32)
 
 
+def dot_nt_f32(a, b):
+    """a @ b.T in float32 for operands whose values are exact in BF16 (block values): on
+    CUDA the BF16 cuBLAS GEMM with FP32 output (``torch.mm(out_dtype=)``), elsewhere float32."""
+    if a.is_cuda:
+        return torch.mm(a.to(torch.bfloat16), b.to(torch.bfloat16).T, out_dtype=torch.float32)
+    return a.float() @ b.float().T
+
+
 def quads_linear(x, weight, weight_scale, weight_scale_2, *, rac_ratio: float = 0.5, mode: str = "w4a4",
                  out_dtype=torch.bfloat16):
     """x [T, K] @ W.T with NVFP4 weights (ModelOpt layout) and W4A4 + RAC activations."""
     wv = dequantize_weight(weight, weight_scale)
     gw = torch.as_tensor(weight_scale_2, dtype=torch.float32)
     if mode == "w4a16":
-        return ((x.to(torch.bfloat16).float() @ wv.T) * gw).to(out_dtype)
+        return (dot_nt_f32(x.to(torch.bfloat16), wv) * gw).to(out_dtype)
     if mode != "w4a4":
         raise ValueError(f"mode={mode!r}: expected 'w4a4' or 'w4a16'")
     (xv, gx), res = rac_operands(x, rac_ratio)
-    out = (xv @ wv.T) * gx
+    out = dot_nt_f32(xv, wv) * gx
     if res is not None:
         rv, gr = res
-        out = out + (rv @ wv.T) * gr
+        out = out + dot_nt_f32(rv, wv) * gr
     return (out * gw).to(out_dtype)
 
 

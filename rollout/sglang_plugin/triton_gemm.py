@@ -91,11 +91,19 @@ def _decode(c_ptrs, s_ptrs, mask, f32: tl.constexpr):
 
 
 @triton.jit
+def _pair_dot(a, w, acc, SWAP_AB: tl.constexpr):
+    """acc + a @ w.T, or with SWAP_AB acc + w @ a.T (the transposed tile)."""
+    if SWAP_AB:
+        return tl.dot(w, tl.trans(a), acc)
+    return tl.dot(a, tl.trans(w), acc)
+
+
+@triton.jit
 def w4a4_rac_gemm_kernel(
     xc_ptr, xs_ptr, gx_ptr, rc_ptr, rs_ptr, wc_ptr, ws_ptr, gw_ptr, T, N, out_ptr,
     K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr, HAS_RAC: tl.constexpr, F32_OPERANDS: tl.constexpr,
+    SPLIT_K: tl.constexpr, HAS_RAC: tl.constexpr, F32_OPERANDS: tl.constexpr, SWAP_AB: tl.constexpr = False,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -107,8 +115,10 @@ def w4a4_rac_gemm_kernel(
     col_ok = cols[:, None] < N
     k2 = K // 2
     k16 = K // 16
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_r = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    # SWAP_AB accumulates W @ A.T ([BLOCK_N, BLOCK_M]): the weight is the MMA's M operand
+    acc_shape = (BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N)
+    acc = tl.zeros(acc_shape, dtype=tl.float32)
+    acc_r = tl.zeros(acc_shape, dtype=tl.float32)
     k_len = K // SPLIT_K
     for i in range(0, k_len // BLOCK_K):  # K is a constexpr: a static trip count
         k0 = pid_k * k_len + i * BLOCK_K
@@ -116,12 +126,15 @@ def w4a4_rac_gemm_kernel(
         ps = k0 // 16 + j[None, :] // 8
         w_lo, w_hi = _decode(wc_ptr + cols[:, None] * k2 + pc, ws_ptr + cols[:, None] * k16 + ps, col_ok, F32_OPERANDS)
         a_lo, a_hi = _decode(xc_ptr + rows[:, None] * k2 + pc, xs_ptr + rows[:, None] * k16 + ps, row_ok, F32_OPERANDS)
-        acc = tl.dot(a_lo, tl.trans(w_lo), acc)
-        acc = tl.dot(a_hi, tl.trans(w_hi), acc)
+        acc = _pair_dot(a_lo, w_lo, acc, SWAP_AB)
+        acc = _pair_dot(a_hi, w_hi, acc, SWAP_AB)
         if HAS_RAC:
             r_lo, r_hi = _decode(rc_ptr + rows[:, None] * k2 + pc, rs_ptr + rows[:, None] * k16 + ps, row_ok, F32_OPERANDS)
-            acc_r = tl.dot(r_lo, tl.trans(w_lo), acc_r)
-            acc_r = tl.dot(r_hi, tl.trans(w_hi), acc_r)
+            acc_r = _pair_dot(r_lo, w_lo, acc_r, SWAP_AB)
+            acc_r = _pair_dot(r_hi, w_hi, acc_r, SWAP_AB)
+    if SWAP_AB:
+        acc = tl.trans(acc)
+        acc_r = tl.trans(acc_r)
     g = tl.load(gx_ptr + rows, mask=rows < T, other=0.0)[:, None]
     res = acc * g
     if HAS_RAC:
@@ -172,7 +185,7 @@ def w4a4_rac_gemm(x_codes, x_scales, gx, w_codes, w_scales, gw, r_codes=None, r_
         x_codes, x_scales, gx, r_codes if has_rac else x_codes, r_scales if has_rac else x_scales,
         w_codes, w_scales, gw, t, n, out, K=k,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, HAS_RAC=has_rac,
-        F32_OPERANDS=interpreting(),
+        F32_OPERANDS=interpreting(), SWAP_AB=cfg.swap_ab,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out[0] if cfg.split_k == 1 else out.sum(0).to(out_dtype)
@@ -185,7 +198,12 @@ def quads_linear_triton(x, weight, weight_scale, weight_scale_2, *, rac_ratio: f
 
     from rollout.sglang_plugin.numerics import packed_operands
 
+    cfg = config or gemm_config(x.shape[0], weight.shape[0], x.shape[-1])
+    if cfg.path == "dequant":  # prefill sizes: decode once, then the dense BF16 dot (cuBLAS)
+        from rollout.sglang_plugin.numerics import quads_linear
+
+        return quads_linear(x, weight, weight_scale, weight_scale_2, rac_ratio=rac_ratio, out_dtype=out_dtype or torch.bfloat16)
     (xc, xs, gx), res = packed_operands(x, rac_ratio)
     rc, rs = (res[0], res[1]) if res is not None else (None, None)
     ws = weight_scale.view(torch.uint8) if weight_scale.dtype != torch.uint8 else weight_scale
-    return w4a4_rac_gemm(xc, xs, gx, weight, ws, weight_scale_2, rc, rs, out_dtype=out_dtype, config=config)
+    return w4a4_rac_gemm(xc, xs, gx, weight, ws, weight_scale_2, rc, rs, out_dtype=out_dtype, config=cfg)
