@@ -396,12 +396,13 @@ def swap_candidates(base):
     """The heuristic's tiles against swap_ab (weight as the MMA's M operand) variants."""
     import dataclasses as dc
 
-    out = [base, dc.replace(base, scale_load="gather"), dc.replace(base, swap_ab=True), dc.replace(base, swap_ab=True, scale_load="gather")]
+    out = [base, dc.replace(base, swap_ab=True), dc.replace(base, decode="prmt"), dc.replace(base, decode="prmt", swap_ab=True),
+           dc.replace(base, swap_ab=True, scale_load="gather"), dc.replace(base, decode="prmt", swap_ab=True, scale_load="gather")]
     for bn, bk, split, warps, stages in [(64, 128, None, 4, 4), (128, 256, None, 4, 3), (256, 128, None, 8, 3),
-                                         (128, 128, None, 8, 4), (64, 256, None, 4, 4), (128, 64, None, 4, 5)]:
-        for sl in ("reshape", "gather"):
+                                         (128, 128, None, 8, 4), (64, 256, None, 4, 4)]:
+        for d in ("bits", "prmt"):
             out.append(dc.replace(base, block_n=bn, block_k=bk, split_k=base.split_k if split is None else split,
-                                  num_warps=warps, num_stages=stages, swap_ab=True, scale_load=sl))
+                                  num_warps=warps, num_stages=stages, swap_ab=True, decode=d))
     return out
 
 
@@ -450,7 +451,7 @@ def sweep(measure, copy_tbps=None, shapes=((16, 4096, 14336), (64, 2048, 768)), 
             row = {"T": t, "K": k, "N": n, **{f: getattr(cfg, f) for f in ("block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages", "decode", "scale_load", "swap_ab")}}
             try:
                 # rho 0 for every config; rho 0.5 for the decode variants at the heuristic's tiles
-                for name, rr, want in (("rho0", None, ref0), ("rho0.5", r, ref))[: 2 if i < 4 else 1]:
+                for name, rr, want in (("rho0", None, ref0), ("rho0.5", r, ref))[: 2 if i < 6 else 1]:
                     def call(a0, a1, gx, wc, ws, rr=rr, cfg=cfg):
                         return NM._gemm_call((a0, a1), gx, rr, wc, ws, gw, n=n, cfg=cfg, w4a16=False, out_dtype=jnp.float32, interpret=interp)
                     got = np.asarray(call(*a, xq.global_scale, w.codes, NM._bits(w.scales)))
@@ -588,7 +589,7 @@ def sass(out_dir):
 @section("swap")
 def swap_sweep(measure, copy_tbps=None):
     """The sweep over swap_ab variants, at T = 1, 16, 64 on the largest decode shape."""
-    return sweep.__wrapped__(measure, copy_tbps, shapes=((16, 4096, 14336), (64, 4096, 14336), (1, 4096, 14336), (16, 2048, 6144)),
+    return sweep.__wrapped__(measure, copy_tbps, shapes=((16, 4096, 14336), (64, 4096, 14336)),
                              candidates=swap_candidates)
 
 

@@ -19,7 +19,7 @@ mkdir -p "$TRITON_HOME" "$TRITON_CACHE_DIR"
 # STAGES picks a subset by name (default: all, in this order)
 STAGES="${STAGES:-swap prefill triton_smoke sass triton decode train rollout}"
 stage() { local cap=$1 name=$2; shift 2; [[ " $STAGES " == *" $name "* ]] || return 0; echo "== $name (cap ${cap}s)"; timeout "$cap" "$@" > "$o/$name.log" 2>&1; echo "   rc=$?"; grep -v -E "Warning|warn" "$o/$name.log" | tail -4; }
-stage 120 swap python3 benchmarks/bench_kernels.py --only ceilings,swap --out "$o/swap"
+stage 150 swap python3 benchmarks/bench_kernels.py --only ceilings,swap --out "$o/swap"
 stage 70 prefill python3 benchmarks/bench_kernels.py --only ceilings,prefill --out "$o/prefill"
 stage 50 triton_smoke python3 benchmarks/triton_smoke.py
 stage 40 sass python3 benchmarks/bench_kernels.py --only sass --out "$o/sass"

@@ -35,7 +35,7 @@ from quads_jax.tiling import GemmConfig, gemm_config  # noqa: F401  (re-exported
 from pallas_kernels import backend as _backend
 from pallas_kernels import rac
 from pallas_kernels.quantize_activations import quantize_activations_rac
-from pallas_kernels.tile_math import load_even_odd, pad_axis
+from pallas_kernels.tile_math import load_even_odd, pad_axis, prmt_decode
 
 MODES = ("w4a4", "w4a16")
 
@@ -47,7 +47,7 @@ MODES = ("w4a4", "w4a16")
 # ----------------------------------------------------------------------------- tile decode
 
 
-def decode_tile(codes, scale_bits, rows, bk, decode="bits"):
+def decode_tile(codes, scale_bits, rows, bk, decode="bits", interpret=False):
     """Packed codes [rows, bk/2] (uint8) and E4M3 scale bits, either [rows, bk/16] or
     already one per channel pair [rows, bk/2] -> the even and odd channels' block values
     in BF16 (exact: E2M1 x E4M3 has at most 6 significant bits), each [rows, bk/2]."""
@@ -55,7 +55,9 @@ def decode_tile(codes, scale_bits, rows, bk, decode="bits"):
     s = nvfp4.decode_e4m3_bits(scale_bits.astype(jnp.int32))
     if s.shape[-1] != bk // 2:
         s = jnp.broadcast_to(s[:, :, None], (rows, bk // 16, 8)).reshape(rows, bk // 2)
-    if decode == "bits":
+    if decode == "prmt" and not interpret:
+        return prmt_decode(codes.astype(jnp.uint8), s.astype(jnp.bfloat16))
+    if decode in ("bits", "prmt"):
         s = s.astype(jnp.bfloat16)
         return nvfp4.decode_e2m1_bf16(c & 15) * s, nvfp4.decode_e2m1_bf16(c >> 4) * s
     lo = (nvfp4.decode_e2m1_arith(c & 15) * s).astype(jnp.bfloat16)
@@ -102,7 +104,7 @@ def make_loaders(*, a_refs, r_refs, w_refs, row_sl, row_ok, col_sl, col_ok, cfg,
             ws = plgpu.load(ws_ref.at[(*w_index, rows, cols)], mask=col_ok, other=0)
         else:
             ws = plgpu.load(ws_ref.at[(*w_index, col_sl, pl.ds(k0 // 16, bk // 16))], mask=col_ok, other=0)
-        return decode_tile(wc, ws, bn, bk, cfg.decode)
+        return decode_tile(wc, ws, bn, bk, cfg.decode, interpret)
 
     def load_codes(refs):
         c_ref, s_ref = refs
@@ -110,7 +112,7 @@ def make_loaders(*, a_refs, r_refs, w_refs, row_sl, row_ok, col_sl, col_ok, cfg,
         def load(k0):
             c = plgpu.load(c_ref.at[row_sl, pl.ds(k0 // 2, bk // 2)], mask=row_ok, other=0)
             s = plgpu.load(s_ref.at[row_sl, pl.ds(k0 // 16, bk // 16)], mask=row_ok, other=0)
-            return decode_tile(c, s, bm, bk, cfg.decode)
+            return decode_tile(c, s, bm, bk, cfg.decode, interpret)
 
         return load
 

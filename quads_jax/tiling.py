@@ -19,7 +19,9 @@ class GemmConfig:
     num_stages: int = 3
     # Pallas only (the Triton kernel always decodes from bits with per-column scale pointers):
     # weight-tile decode: "arith" (float32 select chain, then BF16) or "bits" (BF16 bit
-    # patterns, one BF16 product by the scale); both exact, so the same numbers
+    # patterns, one BF16 product by the scale) or "prmt" (four code bytes at a time through
+    # PTX byte permutes, pallas_kernels.tile_math; compiled kernels only, interpret mode runs
+    # "bits"); all exact, so the same numbers
     decode: str = "bits"
     # block scales: "reshape" (load [rows, bk/16], broadcast + reshape in registers) or
     # "gather" (load each scale byte once per channel pair: [rows, bk/2], no reshape)
@@ -51,7 +53,7 @@ class GemmConfig:
             raise ValueError(f"GemmConfig.block_k={self.block_k}: expected >= 32 (two 16-channel blocks)")
 
 
-DECODES = ("arith", "bits")
+DECODES = ("arith", "bits", "prmt")
 SCALE_LOADS = ("reshape", "gather")
 PATHS = ("fused", "dequant")
 PREFILL_DEQUANT_MIN_T = 512  # token count from which the dense GEMM takes path="dequant"

@@ -146,8 +146,22 @@ def test_e2m1_bit_decode_equals_the_grid():
     np.testing.assert_array_equal(np.asarray(nvfp4.decode_e2m1_arith(c)), grid)
 
 
+def test_prmt_decode_steps_equal_the_e2m1_grid():
+    """The integer steps of the byte-permute PTX decode (emulated), for every code byte in
+    every byte position of the 32-bit word, give the BF16 bits of the E2M1 values."""
+    from pallas_kernels import tile_math
+
+    b = np.arange(256, dtype=np.uint32)
+    words = np.stack([np.roll(b, 0), np.roll(b, 7), np.roll(b, 101), np.roll(b, 200)], axis=1)  # [256, 4] bytes
+    packed = words[:, 0] | words[:, 1] << 8 | words[:, 2] << 16 | words[:, 3] << 24
+    lo, hi = tile_math.prmt_decode_emulated(packed)
+    want = lambda c: np.asarray(jax.lax.bitcast_convert_type(nvfp4.decode_e2m1_bf16(jnp.asarray(c, jnp.int32)), jnp.uint16))
+    np.testing.assert_array_equal(lo, want(words & 15))
+    np.testing.assert_array_equal(hi, want(words >> 4))
+
+
 @pytest.mark.parametrize("decode,scale_load,swap_ab", [("bits", "reshape", False), ("arith", "gather", False),
-                                                        ("bits", "gather", True), ("bits", "reshape", True)])
+                                                        ("bits", "gather", True), ("prmt", "reshape", True)])
 def test_gemm_decode_variants_equal_xla(rng, decode, scale_load, swap_ab):
     x = jnp.asarray(heavy(rng, (21, 256))).astype(jnp.bfloat16)
     w = nvfp4.quantize(jnp.asarray(rng.standard_normal((80, 256)).astype(np.float32)))
