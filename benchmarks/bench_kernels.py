@@ -560,13 +560,16 @@ def torch_baselines():
 
 @section("sass")
 def sass(out_dir):
-    """Compile one Pallas GEMM with XLA dumps on, assemble its PTX and count MMA instructions."""
+    """Compile the Pallas GEMM (default, swap_ab, swap_ab + prmt; in that order) with XLA dumps
+    on, assemble its PTX and count MMA instructions."""
     dump = os.path.join("/tmp", "quads_dump")
     code = (
         "import jax, jax.numpy as jnp, numpy as np\n"
         "from quads_jax import nvfp4 as F\nfrom pallas_kernels import nvfp4_matmul\n"
         "x=jnp.ones((16,2048),jnp.bfloat16); w=F.quantize(jnp.asarray(np.random.randn(768,2048).astype(np.float32)))\n"
-        "jax.block_until_ready(nvfp4_matmul(x,w,rac_ratio=0.5,backend='pallas'))\n"
+        "import dataclasses as dc\nfrom pallas_kernels import gemm_config\nb=gemm_config(16,768,2048)\n"
+        "for c in (b, dc.replace(b, swap_ab=True), dc.replace(b, swap_ab=True, decode='prmt')):\n"
+        "    jax.block_until_ready(nvfp4_matmul(x,w,rac_ratio=0.5,backend='pallas',config=c))\n"
     )
     env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={dump}")
     subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True)
@@ -588,7 +591,7 @@ def sass(out_dir):
 
 @section("swap")
 def swap_sweep(measure, copy_tbps=None):
-    """The sweep over swap_ab variants, at T = 1, 16, 64 on the largest decode shape."""
+    """The sweep over swap_ab and prmt variants, at T = 16 and 64 on the largest decode shape."""
     return sweep.__wrapped__(measure, copy_tbps, shapes=((16, 4096, 14336), (64, 4096, 14336)),
                              candidates=swap_candidates)
 
