@@ -321,7 +321,7 @@ def decode(measure, ceil, quick):
 
 
 @section("prefill")
-def prefill(measure):
+def prefill(measure, quick=False):
     """Prefill TFLOP/s of the dense GEMM, both paths (fused kernel; decode once + BF16 dot),
     at K = N = 4096 for a few token counts, against the BF16 dot."""
     import dataclasses as dc
@@ -338,7 +338,7 @@ def prefill(measure):
     w4 = F.quantize(wf)
     dot_nt = lambda a, b: jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32).astype(jnp.bfloat16)
     rows = []
-    for t in (512, 1024, 4096):
+    for t in (4096,) if quick else (512, 1024, 4096):
         x = jnp.asarray(rng.standard_normal((t, k)).astype(np.float32)).astype(jnp.bfloat16)
         flops = 2 * t * k * n
         r = {"T": t, "K": k, "N": n, "default_path": gemm_config(t, n, k).path}
@@ -351,6 +351,22 @@ def prefill(measure):
                     r[f"{name}_{path}_TFLOPs"] = flops / measure(lambda a, w: nvfp4_matmul(a, w, backend="pallas", config=cfg, **kw), x, w4, iterations=20) / 1e6
                 except Exception as e:
                     RESULTS["errors"][f"prefill_{t}_{name}_{path}"] = f"{type(e).__name__}: {e}"[:600]
+        if t == 4096:  # where the dequant path's time goes, and the same with its operands materialised
+            try:
+                from pallas_kernels import quantize_activations_rac
+                from pallas_kernels.nvfp4_matmul import dequant_dot
+                cfg = dc.replace(gemm_config(t, n, k), path="dequant")
+                r["rho0_dequant_kernels_us"] = breakdown(lambda a, w: nvfp4_matmul(a, w, backend="pallas", config=cfg), x, w4)
+
+                def barrier(a, w):  # block_values materialised before the dot (no prologue fusion)
+                    xq, _ = quantize_activations_rac(a, backend="pallas")
+                    xv, wv = jax.lax.optimization_barrier((F.block_values(xq), F.block_values(w)))
+                    out = jax.lax.dot_general(xv, wv, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+                    return (out * xq.global_scale * w.global_scale).astype(jnp.bfloat16)
+                r["nvfp4_rho0_dequant_barrier_TFLOPs"] = flops / measure(barrier, x, w4, iterations=20) / 1e6
+                r["rho0_dequant_barrier_kernels_us"] = breakdown(barrier, x, w4)
+            except Exception as e:
+                RESULTS["errors"][f"prefill_{t}_breakdown"] = f"{type(e).__name__}: {e}"[:600]
         best = max([v for key, v in r.items() if key.startswith("nvfp4_rho0_") and key.endswith("TFLOPs")], default=None)
         if best:
             r["ratio_vs_bf16"] = best / r["bf16_dot_TFLOPs"]
@@ -393,16 +409,15 @@ def grouped(measure):
 
 
 def swap_candidates(base):
-    """The heuristic's tiles against swap_ab (weight as the MMA's M operand) variants."""
+    """The heuristic's tiles (swap_ab since run 9) against unswapped, the prmt decode, 8 warps
+    and wider tiles; the first six are timed with rho 0.5 as well."""
     import dataclasses as dc
 
-    out = [base, dc.replace(base, swap_ab=True), dc.replace(base, decode="prmt"), dc.replace(base, decode="prmt", swap_ab=True),
-           dc.replace(base, swap_ab=True, scale_load="gather"), dc.replace(base, decode="prmt", swap_ab=True, scale_load="gather")]
-    for bn, bk, split, warps, stages in [(64, 128, None, 4, 4), (128, 256, None, 4, 3), (256, 128, None, 8, 3),
-                                         (128, 128, None, 8, 4), (64, 256, None, 4, 4)]:
-        for d in ("bits", "prmt"):
-            out.append(dc.replace(base, block_n=bn, block_k=bk, split_k=base.split_k if split is None else split,
-                                  num_warps=warps, num_stages=stages, swap_ab=True, decode=d))
+    w8 = dc.replace(base, num_warps=8)
+    wide = dc.replace(base, block_n=256, num_warps=8, num_stages=3)
+    out = [base, dc.replace(base, decode="prmt"), w8, dc.replace(w8, decode="prmt"), wide, dc.replace(wide, decode="prmt"),
+           dc.replace(base, swap_ab=False), dc.replace(base, block_n=128 if base.block_n == 64 else 64),
+           dc.replace(base, block_n=128 if base.block_n == 64 else 64, decode="prmt")]
     return out
 
 
@@ -664,7 +679,7 @@ def main():
     if want("triton"):
         triton_parity(measure)
     if want("prefill"):
-        prefill(measure)
+        prefill(measure, args.quick)
     if want("grouped"):
         grouped(measure)
     if want("torch"):

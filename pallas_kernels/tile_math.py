@@ -113,27 +113,34 @@ def _nibble_ptx(c, out0, out1, s0, s1):
     or.b32 {out1}, qm1, qsg;"""
 
 
-PRMT_DECODE_PTX = (
-    "{\n    .reg .b32 qt, qsel, qhi, qlo, qm0, qm1, qsg, qc4, qha, qhb, qla, qlb;\n"
-    f"    mov.b32 qha, {_word(HI_BYTES, 0):#x};\n    mov.b32 qhb, {_word(HI_BYTES, 4):#x};\n"
-    f"    mov.b32 qla, {_word(LO_BYTES, 0):#x};\n    mov.b32 qlb, {_word(LO_BYTES, 4):#x};"
-    "\n    shr.u32 qc4, $4, 4;"
-    + _nibble_ptx("$4", "$0", "$1", "$5", "$6")
-    + _nibble_ptx("qc4", "$2", "$3", "$5", "$6")
-    + "\n}"
-)
+def _decode_ptx(shift: int) -> str:
+    """PTX: the nibbles at bit ``shift`` of each byte of $2 (four code bytes) times their
+    BF16 scales ($3, $4: two BF16x2 words) -> four BF16 values in $0, $1."""
+    c = "$2" if shift == 0 else "qc"
+    return (
+        "{\n    .reg .b32 qt, qsel, qhi, qlo, qm0, qm1, qsg, qc, qha, qhb, qla, qlb;\n"
+        f"    mov.b32 qha, {_word(HI_BYTES, 0):#x};\n    mov.b32 qhb, {_word(HI_BYTES, 4):#x};\n"
+        f"    mov.b32 qla, {_word(LO_BYTES, 0):#x};\n    mov.b32 qlb, {_word(LO_BYTES, 4):#x};\n"
+        f"    shr.u32 qc, $2, {shift};"
+        + _nibble_ptx(c, "$0", "$1", "$3", "$4")
+        + "\n}"
+    )
+
+
+# two programs, not one with four outputs: jax 0.11's Pallas lowering of elementwise_inline_asm
+# returns a single result (seen on the H200: "2 outvars do not match 1 outvals")
+PRMT_DECODE_PTX = (_decode_ptx(0), _decode_ptx(4))
 
 
 def prmt_decode(codes, scale_bf16):
     """Packed codes [r, c] (uint8) and each pair's BF16 block scale [r, c] -> the low and
     high nibbles' block values (BF16, exact), through ``PRMT_DECODE_PTX`` (compiled only)."""
     out = jax.ShapeDtypeStruct(codes.shape, jnp.bfloat16)
-    lo, hi = plgpu.elementwise_inline_asm(
-        PRMT_DECODE_PTX, args=[codes, scale_bf16], constraints="=&r,=&r,=&r,=&r,r,r,r", pack=4,  # early clobber: outputs are
-        # written while inputs are still read
-        result_shape_dtypes=[out, out],
+    return tuple(
+        plgpu.elementwise_inline_asm(ptx, args=[codes, scale_bf16], constraints="=&r,=&r,r,r,r", pack=4,
+                                     result_shape_dtypes=[out])[0]  # early clobber: outputs are written
+        for ptx in PRMT_DECODE_PTX                                   # while inputs are still read
     )
-    return lo, hi
 
 
 def _prmt(a, b, sel):

@@ -61,18 +61,21 @@ PREFILL_DEQUANT_MIN_T = 512  # token count from which the dense GEMM takes path=
 
 def gemm_config(t: int, n: int, k: int, programs_per_row_tile: int = 1) -> GemmConfig:
     """Heuristic tiles: decode (few tokens) streams the weight in 128 x 128 tiles with
-    split-K until ~2 waves of programs; prefill uses square MMA tiles. Measured on the H200
-    (benchmarks/results/2026-12-03-h200-run8, T=16, 4096 x 14336, GEMM only): bits decode
-    at 128 x 128 split 4 takes 85 us, against 156 us for the arith decode at 64 x 256."""
+    split-K until ~2 waves of programs, with the weight as the MMA's M operand (swap_ab);
+    prefill uses square MMA tiles, and from PREFILL_DEQUANT_MIN_T tokens the dense GEMM
+    decodes once and runs the BF16 dot. Measured on the H200, GEMM only, 4096 x 14336
+    (benchmarks/results/2026-12-03-h200-run8 and -run9): at T=16 the arith decode at 64 x 256
+    took 156 us, the bits decode at 128 x 128 split 4 84 us, swapped 81 us, swapped with
+    block_n 64 66 us; at T=64 swapping took 128 x 128 from 271 to 127 us."""
     if t >= 256:
         bk = 64 if k % 64 == 0 else 32
         path = "dequant" if t >= PREFILL_DEQUANT_MIN_T and programs_per_row_tile == 1 else "fused"
         return GemmConfig(block_m=128, block_n=128, block_k=bk, num_warps=8, num_stages=3, path=path)
     bm = 16 if t <= 16 else (32 if t <= 32 else 64)
     bk = next(b for b in (128, 64, 32) if k % b == 0)
-    bn = 128 if n >= 128 else 64
+    bn = 128 if n >= 128 and t > 16 else 64
     tiles = -(-t // bm) * -(-n // bn) * programs_per_row_tile
     split = 1
     while tiles * split < 2 * NUM_SMS and (k // bk) % (split * 2) == 0 and k // (bk * split * 2) >= 2:
         split *= 2
-    return GemmConfig(block_m=bm, block_n=bn, block_k=bk, split_k=split, num_warps=4, num_stages=4)
+    return GemmConfig(block_m=bm, block_n=bn, block_k=bk, split_k=split, num_warps=4, num_stages=4, swap_ab=True)

@@ -116,9 +116,11 @@ def w4a4_rac_gemm_kernel(
     k2 = K // 2
     k16 = K // 16
     # SWAP_AB accumulates W @ A.T ([BLOCK_N, BLOCK_M]): the weight is the MMA's M operand
-    acc_shape = (BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N)
-    acc = tl.zeros(acc_shape, dtype=tl.float32)
-    acc_r = tl.zeros(acc_shape, dtype=tl.float32)
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_r = tl.zeros_like(acc)
     k_len = K // SPLIT_K
     for i in range(0, k_len // BLOCK_K):  # K is a constexpr: a static trip count
         k0 = pid_k * k_len + i * BLOCK_K
