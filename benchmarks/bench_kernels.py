@@ -410,12 +410,13 @@ def grouped(measure):
 
 def swap_candidates(base):
     """The heuristic's tiles (swap_ab since run 9) against unswapped, the prmt decode, 8 warps
-    and wider tiles; the first six are timed with rho 0.5 as well."""
+    and wider tiles, and BF16 activation values; the first nine are timed with rho 0.5 as well."""
     import dataclasses as dc
 
     w8 = dc.replace(base, num_warps=8)
     wide = dc.replace(base, block_n=256, num_warps=8, num_stages=3)
     out = [base, dc.replace(base, decode="prmt"), w8, dc.replace(w8, decode="prmt"), wide, dc.replace(wide, decode="prmt"),
+           dc.replace(base, act_load="values"), dc.replace(w8, act_load="values"), dc.replace(base, act_load="values", decode="prmt"),
            dc.replace(base, swap_ab=False), dc.replace(base, block_n=128 if base.block_n == 64 else 64),
            dc.replace(base, block_n=128 if base.block_n == 64 else 64, decode="prmt")]
     return out
@@ -454,8 +455,6 @@ def sweep(measure, copy_tbps=None, shapes=((16, 4096, 14336), (64, 2048, 768)), 
         xq, rq = quantize_activations_rac(x, rac_ratio=0.5, act_scale="token", backend="pallas")
         ref = np.asarray(NM.nvfp4_matmul_xla(x, w, rac_ratio=0.5, act_scale="token", out_dtype=jnp.float32))
         gw = jnp.reshape(jnp.asarray(w.global_scale, jnp.float32), (1,))
-        a = (xq.codes, NM._bits(xq.scales))
-        r = (rq.codes, NM._bits(rq.scales))
         wbytes = w.codes.size + w.scales.size
         base = NM.gemm_config(t, n, k)
         interp = _backend.interpret_mode()
@@ -463,15 +462,16 @@ def sweep(measure, copy_tbps=None, shapes=((16, 4096, 14336), (64, 2048, 768)), 
         for i, cfg in enumerate((candidates or sweep_candidates)(base)):
             if k % (cfg.block_k * cfg.split_k):
                 continue
-            row = {"T": t, "K": k, "N": n, **{f: getattr(cfg, f) for f in ("block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages", "decode", "scale_load", "swap_ab")}}
+            row = {"T": t, "K": k, "N": n, **{f: getattr(cfg, f) for f in ("block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages", "decode", "scale_load", "swap_ab", "act_load")}}
             try:
                 # rho 0 for every config; rho 0.5 for the decode variants at the heuristic's tiles
-                for name, rr, want in (("rho0", None, ref0), ("rho0.5", r, ref))[: 2 if i < 6 else 1]:
-                    def call(a0, a1, gx, wc, ws, rr=rr, cfg=cfg):
-                        return NM._gemm_call((a0, a1), gx, rr, wc, ws, gw, n=n, cfg=cfg, w4a16=False, out_dtype=jnp.float32, interpret=interp)
-                    got = np.asarray(call(*a, xq.global_scale, w.codes, NM._bits(w.scales)))
+                for name, res, want in (("rho0", None, ref0), ("rho0.5", rq, ref))[: 2 if i < 9 else 1]:
+                    def call(xq, res, wc, ws, cfg=cfg):  # timed with the activation operands' preparation
+                        a, gx, r = NM.activation_operands(x, xq, res, cfg)
+                        return NM._gemm_call(a, gx, r, wc, ws, gw, n=n, cfg=cfg, out_dtype=jnp.float32, interpret=interp)
+                    got = np.asarray(call(xq, res, w.codes, NM._bits(w.scales)))
                     row[name + "_rel_vs_xla"] = float(np.linalg.norm(got - want) / np.linalg.norm(want))
-                    row[name + "_us"] = measure(call, *a, xq.global_scale, w.codes, NM._bits(w.scales))
+                    row[name + "_us"] = measure(call, xq, res, w.codes, NM._bits(w.scales))
                 row["weight_TBps"] = wbytes / row["rho0_us"] / 1e6
                 if copy_tbps:
                     row["frac_of_copy"] = row["weight_TBps"] / copy_tbps
@@ -505,7 +505,7 @@ def triton_parity(measure):
             gw = jnp.reshape(jnp.asarray(w.global_scale, jnp.float32), (1,))
             cfg = NM.gemm_config(t, n, k)
             rr = None if rq is None else (rq.codes, NM._bits(rq.scales))
-            pallas = lambda xq, rq: NM._gemm_call((xq.codes, NM._bits(xq.scales)), xq.global_scale, None if rq is None else (rq.codes, NM._bits(rq.scales)), w.codes, NM._bits(w.scales), gw, n=n, cfg=cfg, w4a16=False, out_dtype=jnp.float32, interpret=False)
+            pallas = lambda xq, rq: NM._gemm_call(*NM.activation_operands(x, xq, rq, cfg), w.codes, NM._bits(w.scales), gw, n=n, cfg=cfg, out_dtype=jnp.float32, interpret=False)
             jt = lambda xq, rq: triton_nvfp4_matmul(xq, rq, w, out_dtype=jnp.float32)
             p_out = np.asarray(pallas(xq, rq))
             j_out = np.asarray(jt(xq, rq))

@@ -27,10 +27,12 @@ from pallas_kernels.nvfp4_matmul import (
     GemmConfig,
     _bits,
     _check_args,
+    activation_operands,
     epilogue,
     gemm_config,
     gemm_tile_loop,
     make_loaders,
+    pop_operand_refs,
     quantized_operands,
 )
 
@@ -65,12 +67,8 @@ def work_items(group_sizes, m: int, block_m: int):
     return jnp.stack([ex, start, end], axis=1).astype(jnp.int32), cap
 
 
-def _grouped_kernel(items_ref, *refs, m, n, k, cfg, w4a16, rac_on, interpret):
-    refs = list(refs)
-    a_refs = [refs.pop(0)] if w4a16 else [refs.pop(0), refs.pop(0)]
-    gx_ref = None if w4a16 else refs.pop(0)
-    r_refs = [refs.pop(0), refs.pop(0)] if rac_on else []
-    wc_ref, ws_ref, gw_ref, out_ref = refs
+def _grouped_kernel(items_ref, *refs, m, n, k, cfg, na, has_gx, nr, interpret):
+    a_refs, gx_ref, r_refs, (wc_ref, ws_ref, gw_ref, out_ref) = pop_operand_refs(refs, na, has_gx, nr)
     bm, bn = cfg.block_m, cfg.block_n
     it, jn, sk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     ex = items_ref[it, 0]
@@ -86,11 +84,11 @@ def _grouped_kernel(items_ref, *refs, m, n, k, cfg, w4a16, rac_on, interpret):
         col_ok = (jn * bn + jnp.arange(bn) < n)[:, None]
         load_a, load_r, load_w = make_loaders(
             a_refs=a_refs, r_refs=r_refs, w_refs=(wc_ref, ws_ref), row_sl=row_sl, row_ok=row_ok,
-            col_sl=col_sl, col_ok=col_ok, cfg=cfg, w4a16=w4a16, interpret=interpret, w_index=(ex,),
+            col_sl=col_sl, col_ok=col_ok, cfg=cfg, interpret=interpret, w_index=(ex,),
         )
         steps = k // (cfg.block_k * cfg.split_k)
         accs = gemm_tile_loop(k_start=sk * steps * cfg.block_k, steps=steps, cfg=cfg, load_a=load_a, load_r=load_r, load_w=load_w, interpret=interpret)
-        out = epilogue(accs, gx_ref, row_sl, row_ok, gw_ref[ex], w4a16)
+        out = epilogue(accs, gx_ref, row_sl, row_ok, gw_ref[ex])
         out_mask = row_ok & (jn * bn + jnp.arange(bn) < n)[None, :]
         if cfg.split_k == 1:
             plgpu.store(out_ref.at[row_sl, col_sl], out.astype(out_ref.dtype), mask=out_mask)
@@ -98,8 +96,8 @@ def _grouped_kernel(items_ref, *refs, m, n, k, cfg, w4a16, rac_on, interpret):
             plgpu.store(out_ref.at[sk, row_sl, col_sl], out, mask=out_mask)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "w4a16", "out_dtype", "interpret", "n"))
-def _grouped_call(a, gx, r, wc, ws, gw, group_sizes, *, n, cfg, w4a16, out_dtype, interpret):
+@functools.partial(jax.jit, static_argnames=("cfg", "out_dtype", "interpret", "n"))
+def _grouped_call(a, gx, r, wc, ws, gw, group_sizes, *, n, cfg, out_dtype, interpret):
     m_real = a[0].shape[0]
     k = wc.shape[-1] * 2
     items, cap = work_items(group_sizes, m_real, cfg.block_m)
@@ -111,10 +109,11 @@ def _grouped_call(a, gx, r, wc, ws, gw, group_sizes, *, n, cfg, w4a16, out_dtype
         gx = None if gx is None else pad_axis(gx, 0, m_pad)
         wc, ws = pad_axis(wc, 1, n_pad), pad_axis(ws, 1, n_pad)
     m = a[0].shape[0]
-    args = [items] + list(a) + ([] if w4a16 else [gx]) + (list(r) if rac_on else []) + [wc, ws, gw]
+    args = [items] + list(a) + ([] if gx is None else [gx]) + (list(r) if rac_on else []) + [wc, ws, gw]
     shape = (m, n) if cfg.split_k == 1 else (cfg.split_k, m, n)
     out_shape = jax.ShapeDtypeStruct(shape, out_dtype if cfg.split_k == 1 else jnp.float32)
-    kernel = functools.partial(_grouped_kernel, m=m, n=n, k=k, cfg=cfg, w4a16=w4a16, rac_on=rac_on, interpret=interpret)
+    kernel = functools.partial(_grouped_kernel, m=m, n=n, k=k, cfg=cfg, na=len(a), has_gx=gx is not None,
+                               nr=len(r) if rac_on else 0, interpret=interpret)
     out = pl.pallas_call(
         kernel,
         out_shape=out_shape,
@@ -172,8 +171,5 @@ def nvfp4_grouped_matmul(x, w, group_sizes, *, rac_ratio=0.0, rac_mode="token", 
         raise ValueError(f"config: GemmConfig.path={cfg.path!r} is for the dense GEMM; the grouped GEMM is fused only "
                          "(backend='xla' runs lax.ragged_dot on the decoded values)")
     xq, rq = quantized_operands(x, mode=mode, rac_ratio=rac_ratio, rac_mode=rac_mode, act_scale=act_scale, backend="pallas")
-    w4a16 = mode == "w4a16"
-    a = (x,) if w4a16 else (xq.codes, _bits(xq.scales))
-    gx = None if w4a16 else xq.global_scale
-    r = None if rq is None else (rq.codes, _bits(rq.scales))
-    return _grouped_call(a, gx, r, w.codes, _bits(w.scales), _per_expert_gw(w), group_sizes, n=n, cfg=cfg, w4a16=w4a16, out_dtype=out_dtype, interpret=_backend.interpret_mode())
+    a, gx, r = activation_operands(x, xq, rq, cfg)
+    return _grouped_call(a, gx, r, w.codes, _bits(w.scales), _per_expert_gw(w), group_sizes, n=n, cfg=cfg, out_dtype=out_dtype, interpret=_backend.interpret_mode())

@@ -91,8 +91,9 @@ def gemm_tile_loop(*, k_start, steps, cfg, load_a, load_r, load_w, interpret):
     return tuple(a.T for a in accs) if cfg.swap_ab else accs
 
 
-def make_loaders(*, a_refs, r_refs, w_refs, row_sl, row_ok, col_sl, col_ok, cfg, w4a16, interpret, w_index=()):
-    """Tile loaders for activations (codes or BF16), residual codes and weight codes."""
+def make_loaders(*, a_refs, r_refs, w_refs, row_sl, row_ok, col_sl, col_ok, cfg, interpret, w_index=()):
+    """Tile loaders for activations and residual (one BF16 ref, or codes and scale bits) and
+    the weight codes."""
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     wc_ref, ws_ref = w_refs
 
@@ -116,28 +117,47 @@ def make_loaders(*, a_refs, r_refs, w_refs, row_sl, row_ok, col_sl, col_ok, cfg,
 
         return load
 
-    if w4a16:
-        (x_ref,) = a_refs
-
-        def load_a(k0):
+    def load_values(x_ref):
+        def load(k0):
             even, odd = load_even_odd(x_ref, row_sl, k0, bk, row_ok, interpret, other=0.0)
             return even.astype(jnp.bfloat16), odd.astype(jnp.bfloat16)
 
+        return load
+
+    load_act = lambda refs: load_values(refs[0]) if len(refs) == 1 else load_codes(refs)
+    return load_act(a_refs), (load_act(r_refs) if r_refs else None), load_w
+
+
+def pop_operand_refs(refs, na, has_gx, nr):
+    """Split a kernel's refs: activations (na), global scales (has_gx), residual (nr), rest."""
+    refs = list(refs)
+    a_refs = [refs.pop(0) for _ in range(na)]
+    gx_ref = refs.pop(0) if has_gx else None
+    r_refs = [refs.pop(0) for _ in range(nr)]
+    return a_refs, gx_ref, r_refs, refs
+
+
+def activation_operands(x, xq, rq, cfg):
+    """The GEMM's activation inputs: (a, gx, r) with a and r either (BF16 values,) or (codes,
+    scale bits). ``xq`` None is w4a16 (BF16 x, no global scale). With ``cfg.act_load ==
+    "values"`` the quantized operands enter as their BF16 block values (exact), decoded once
+    here instead of once per program."""
+    if xq is None:
+        return (x,), None, None
+    if cfg.act_load == "values":
+        a = (nvfp4.block_values(xq, jnp.bfloat16),)
+        r = None if rq is None else (nvfp4.block_values(rq, jnp.bfloat16),)
     else:
-        load_a = load_codes(a_refs)
-    load_r = load_codes(r_refs) if r_refs else None
-    return load_a, load_r, load_w
+        a = (xq.codes, _bits(xq.scales))
+        r = None if rq is None else (rq.codes, _bits(rq.scales))
+    return a, xq.global_scale, r
 
 
 # ----------------------------------------------------------------------------- kernel
 
 
-def _gemm_kernel(*refs, t, n, k, cfg, w4a16, rac_on, interpret):
-    refs = list(refs)
-    a_refs = [refs.pop(0)] if w4a16 else [refs.pop(0), refs.pop(0)]
-    gx_ref = None if w4a16 else refs.pop(0)
-    r_refs = [refs.pop(0), refs.pop(0)] if rac_on else []
-    wc_ref, ws_ref, gw_ref, out_ref = refs
+def _gemm_kernel(*refs, t, n, k, cfg, na, has_gx, nr, interpret):
+    a_refs, gx_ref, r_refs, (wc_ref, ws_ref, gw_ref, out_ref) = pop_operand_refs(refs, na, has_gx, nr)
     bm, bn = cfg.block_m, cfg.block_n
     im, jn, sk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     row_sl, col_sl = pl.ds(im * bm, bm), pl.ds(jn * bn, bn)
@@ -145,11 +165,11 @@ def _gemm_kernel(*refs, t, n, k, cfg, w4a16, rac_on, interpret):
     col_ok = (jn * bn + jnp.arange(bn) < n)[:, None]
     load_a, load_r, load_w = make_loaders(
         a_refs=a_refs, r_refs=r_refs, w_refs=(wc_ref, ws_ref), row_sl=row_sl, row_ok=row_ok,
-        col_sl=col_sl, col_ok=col_ok, cfg=cfg, w4a16=w4a16, interpret=interpret,
+        col_sl=col_sl, col_ok=col_ok, cfg=cfg, interpret=interpret,
     )
     steps = k // (cfg.block_k * cfg.split_k)
     accs = gemm_tile_loop(k_start=sk * steps * cfg.block_k, steps=steps, cfg=cfg, load_a=load_a, load_r=load_r, load_w=load_w, interpret=interpret)
-    out = epilogue(accs, gx_ref, row_sl, row_ok, gw_ref[0], w4a16)
+    out = epilogue(accs, gx_ref, row_sl, row_ok, gw_ref[0])
     out_mask = row_ok & (jn * bn + jnp.arange(bn) < n)[None, :]
     if cfg.split_k == 1:
         plgpu.store(out_ref.at[row_sl, col_sl], out.astype(out_ref.dtype), mask=out_mask)
@@ -157,8 +177,8 @@ def _gemm_kernel(*refs, t, n, k, cfg, w4a16, rac_on, interpret):
         plgpu.store(out_ref.at[sk, row_sl, col_sl], out, mask=out_mask)
 
 
-def epilogue(accs, gx_ref, row_sl, row_ok, gw, w4a16):
-    if w4a16:
+def epilogue(accs, gx_ref, row_sl, row_ok, gw):
+    if gx_ref is None:  # w4a16
         return accs[0] * gw
     gx = plgpu.load(gx_ref.at[row_sl, :], mask=row_ok, other=0.0)  # [bm, 1]
     out = accs[0] * gx
@@ -167,8 +187,8 @@ def epilogue(accs, gx_ref, row_sl, row_ok, gw, w4a16):
     return out * gw
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "w4a16", "out_dtype", "interpret", "n"))
-def _gemm_call(a, gx, r, wc, ws, gw, *, n, cfg, w4a16, out_dtype, interpret):
+@functools.partial(jax.jit, static_argnames=("cfg", "out_dtype", "interpret", "n"))
+def _gemm_call(a, gx, r, wc, ws, gw, *, n, cfg, out_dtype, interpret):
     t_real = a[0].shape[0]
     k = wc.shape[-1] * 2
     rac_on = r is not None
@@ -179,12 +199,13 @@ def _gemm_call(a, gx, r, wc, ws, gw, *, n, cfg, w4a16, out_dtype, interpret):
         gx = None if gx is None else pad_axis(gx, 0, t_pad)
         wc, ws = pad_axis(wc, 0, n_pad), pad_axis(ws, 0, n_pad)
     t = a[0].shape[0]
-    args = list(a) + ([] if w4a16 else [gx]) + (list(r) if rac_on else []) + [wc, ws, gw]
+    args = list(a) + ([] if gx is None else [gx]) + (list(r) if rac_on else []) + [wc, ws, gw]
     if cfg.split_k == 1:
         out_shape = jax.ShapeDtypeStruct((t, n), out_dtype)
     else:
         out_shape = jax.ShapeDtypeStruct((cfg.split_k, t, n), jnp.float32)
-    kernel = functools.partial(_gemm_kernel, t=t, n=n, k=k, cfg=cfg, w4a16=w4a16, rac_on=rac_on, interpret=interpret)
+    kernel = functools.partial(_gemm_kernel, t=t, n=n, k=k, cfg=cfg, na=len(a), has_gx=gx is not None,
+                               nr=len(r) if rac_on else 0, interpret=interpret)
     out = pl.pallas_call(
         kernel,
         out_shape=out_shape,
@@ -277,7 +298,5 @@ def nvfp4_matmul(x, w, *, rac_ratio=0.0, rac_mode="token", act_scale="tensor", m
     w4a16 = mode == "w4a16"
     if cfg.path == "dequant":
         return dequant_dot(xq, rq, w, x=x, out_dtype=out_dtype)
-    a = (x,) if w4a16 else (xq.codes, _bits(xq.scales))
-    gx = None if w4a16 else xq.global_scale
-    r = None if rq is None else (rq.codes, _bits(rq.scales))
-    return _gemm_call(a, gx, r, w.codes, _bits(w.scales), gw, n=n, cfg=cfg, w4a16=w4a16, out_dtype=out_dtype, interpret=_backend.interpret_mode())
+    a, gx, r = activation_operands(x, xq, rq, cfg)
+    return _gemm_call(a, gx, r, w.codes, _bits(w.scales), gw, n=n, cfg=cfg, out_dtype=out_dtype, interpret=_backend.interpret_mode())

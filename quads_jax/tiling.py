@@ -37,10 +37,16 @@ class GemmConfig:
     # tile once per row tile, so at prefill sizes its decode work is T / block_m times the
     # weight, and the dot's MMA pipeline is far ahead; decode sizes move the weight once.
     path: str = "fused"
+    # W4A4 activations (and residual) enter the fused kernel as "codes" (packed codes + scale
+    # bits, decoded in every program) or "values" (their BF16 block values, exact, decoded once
+    # by XLA before the kernel: [T, K] BF16 is small at decode sizes and read from L2)
+    act_load: str = "codes"
 
     def __post_init__(self):
         if self.decode not in DECODES:
             raise ValueError(f"GemmConfig.decode={self.decode!r}: expected one of {DECODES}")
+        if self.act_load not in ACT_LOADS:
+            raise ValueError(f"GemmConfig.act_load={self.act_load!r}: expected one of {ACT_LOADS}")
         if self.path not in PATHS:
             raise ValueError(f"GemmConfig.path={self.path!r}: expected one of {PATHS}")
         if self.scale_load not in SCALE_LOADS:
@@ -56,6 +62,7 @@ class GemmConfig:
 DECODES = ("arith", "bits", "prmt")
 SCALE_LOADS = ("reshape", "gather")
 PATHS = ("fused", "dequant")
+ACT_LOADS = ("codes", "values")
 PREFILL_DEQUANT_MIN_T = 512  # token count from which the dense GEMM takes path="dequant"
 
 

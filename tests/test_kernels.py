@@ -160,12 +160,13 @@ def test_prmt_decode_steps_equal_the_e2m1_grid():
     np.testing.assert_array_equal(hi, want(words >> 4))
 
 
-@pytest.mark.parametrize("decode,scale_load,swap_ab", [("bits", "reshape", False), ("arith", "gather", False),
-                                                        ("bits", "gather", True), ("prmt", "reshape", True)])
-def test_gemm_decode_variants_equal_xla(rng, decode, scale_load, swap_ab):
+@pytest.mark.parametrize("decode,scale_load,swap_ab,act_load", [("bits", "reshape", False, "codes"), ("arith", "gather", False, "values"),
+                                                                 ("bits", "gather", True, "codes"), ("prmt", "reshape", True, "values")])
+def test_gemm_decode_variants_equal_xla(rng, decode, scale_load, swap_ab, act_load):
     x = jnp.asarray(heavy(rng, (21, 256))).astype(jnp.bfloat16)
     w = nvfp4.quantize(jnp.asarray(rng.standard_normal((80, 256)).astype(np.float32)))
-    cfg = pk.GemmConfig(block_m=16, block_n=32, block_k=64, split_k=2, decode=decode, scale_load=scale_load, swap_ab=swap_ab)
+    cfg = pk.GemmConfig(block_m=16, block_n=32, block_k=64, split_k=2, decode=decode, scale_load=scale_load, swap_ab=swap_ab,
+                        act_load=act_load)
     for kw in ({"rac_ratio": 0.5}, {"mode": "w4a16"}):
         a = pk.nvfp4_matmul(x, w, backend="xla", out_dtype=jnp.float32, **kw)
         b = pk.nvfp4_matmul(x, w, backend="pallas", out_dtype=jnp.float32, config=cfg, **kw)
@@ -199,6 +200,8 @@ def test_gemm_config_rejects_bad_values():
         pk.GemmConfig(block_m=16, block_n=32, block_k=64, decode="lut")
     with pytest.raises(ValueError, match="path"):
         pk.GemmConfig(block_m=16, block_n=32, block_k=64, path="cublas")
+    with pytest.raises(ValueError, match="act_load"):
+        pk.GemmConfig(block_m=16, block_n=32, block_k=64, act_load="fp8")
     with pytest.raises(ValueError, match="block_n"):
         pk.GemmConfig(block_m=16, block_n=48, block_k=64)
 
