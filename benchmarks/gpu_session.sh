@@ -21,9 +21,13 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=.:/tmp/site:${PYTHONPATH:-} TRITON_HOME=/tm
 mkdir -p "$TRITON_HOME" "$TRITON_CACHE_DIR"
 STAGES="${STAGES:-triton_smoke triton swap prefill sass decode grouped train rollout}"
 RECIPES="${RECIPES:-quads,fp8,nvfp4,bf16}"
+DEADLINE="${DEADLINE:-575}"  # seconds from the start: no stage runs past it, so every log gets saved
 stage() {
   local cap=$1 name=$2; shift 2
   [[ " $STAGES " == *" $name "* ]] || return 0
+  local left=$((DEADLINE - SECONDS))
+  (( left < 20 )) && { echo "== $name skipped (${left}s left)"; return 0; }
+  (( cap > left )) && cap=$left
   echo "== $name (cap ${cap}s)"
   timeout "$cap" "$@" > "$o/$name.log" 2>&1; echo "   rc=$?"
   grep -v -E "Warning|warn|^W[0-9]" "$o/$name.log" | grep -E '^\||^\{|rc=|Error|/' | tail -14 | cut -c1-400
@@ -31,7 +35,7 @@ stage() {
 }
 stage 45 triton_smoke python3 benchmarks/triton_smoke.py
 stage 60 triton python3 benchmarks/bench_kernels.py --only triton --out "$o/triton"
-stage 80 swap python3 benchmarks/bench_kernels.py --only swap --out "$o/swap"
+stage 100 swap python3 benchmarks/bench_kernels.py --only swap --out "$o/swap"
 stage 45 prefill python3 benchmarks/bench_kernels.py --quick --only prefill --out "$o/prefill"
 stage 35 sass python3 benchmarks/bench_kernels.py --only sass --out "$o/sass"
 stage 60 decode python3 benchmarks/bench_kernels.py --quick --only ceilings,decode --out "$o/decode"
