@@ -73,7 +73,8 @@ def gemm_config(t: int, n: int, k: int, programs_per_row_tile: int = 1) -> GemmC
     decodes once and runs the BF16 dot. Measured on the H200, GEMM only, 4096 x 14336
     (benchmarks/results/2026-12-03-h200-run8 and -run9): at T=16 the arith decode at 64 x 256
     took 156 us, the bits decode at 128 x 128 split 4 84 us, swapped 81 us, swapped with
-    block_n 64 66 us; at T=64 swapping took 128 x 128 from 271 to 127 us."""
+    block_n 64 66-75 us, with the prmt decode and BF16 activation values 64 us (rho 0.5:
+    76 us); at T=64 swapping took 128 x 128 from 271 to 127 us, prmt + values 84 us."""
     if t >= 256:
         bk = 64 if k % 64 == 0 else 32
         path = "dequant" if t >= PREFILL_DEQUANT_MIN_T and programs_per_row_tile == 1 else "fused"
@@ -85,4 +86,5 @@ def gemm_config(t: int, n: int, k: int, programs_per_row_tile: int = 1) -> GemmC
     split = 1
     while tiles * split < 2 * NUM_SMS and (k // bk) % (split * 2) == 0 and k // (bk * split * 2) >= 2:
         split *= 2
-    return GemmConfig(block_m=bm, block_n=bn, block_k=bk, split_k=split, num_warps=4, num_stages=4, swap_ab=True)
+    return GemmConfig(block_m=bm, block_n=bn, block_k=bk, split_k=split, num_warps=4, num_stages=4, swap_ab=True,
+                      decode="prmt", act_load="values")

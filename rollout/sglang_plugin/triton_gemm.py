@@ -94,8 +94,10 @@ def _decode(c_ptrs, s_ptrs, mask, f32: tl.constexpr):
 def _pair_dot(a, w, acc, SWAP_AB: tl.constexpr):
     """acc + a @ w.T, or with SWAP_AB acc + w @ a.T (the transposed tile)."""
     if SWAP_AB:
-        return tl.dot(w, tl.trans(a), acc)
-    return tl.dot(a, tl.trans(w), acc)
+        acc = tl.dot(w, tl.trans(a), acc)
+    else:
+        acc = tl.dot(a, tl.trans(w), acc)
+    return acc
 
 
 @triton.jit
