@@ -481,11 +481,14 @@ def block_values(t: NVFP4Tensor, dtype=jnp.bfloat16):
     """``e2m1(code) * scale`` without the global scale. Exact in bfloat16 (a 2-bit by 4-bit
     significand product, exponents in [-10, 12]): the operand a Hopper kernel feeds to
     its BF16 MMA, the global scales going to the epilogue."""
-    codes = jnp.moveaxis(unpack_codes(t.codes, t.axis), t.axis, -1)
-    s = jnp.moveaxis(t.scales, t.axis, -1).astype(jnp.float32)
-    lead, k = codes.shape[:-1], codes.shape[-1]
-    v = decode_e2m1(codes).reshape(*lead, k // BLOCK, BLOCK) * s[..., None]
-    return jnp.moveaxis(v.reshape(*lead, k), -1, t.axis).astype(dtype)
+    # computed per packed byte in BF16 (both products exact), interleaved once at the end: on
+    # the H200 the unpack-first form took 61 us for a 4096 x 4096 operand (run 9)
+    p = jnp.moveaxis(jnp.asarray(t.codes, jnp.uint8), t.axis, -1).astype(jnp.int32)
+    s = jnp.moveaxis(t.scales, t.axis, -1).astype(jnp.float32).astype(jnp.bfloat16)
+    s = jnp.repeat(s, BLOCK // 2, axis=-1)  # one scale per packed byte
+    lo, hi = decode_e2m1_bf16(p & 15) * s, decode_e2m1_bf16(p >> 4) * s
+    v = jnp.stack([lo, hi], axis=-1).reshape(*p.shape[:-1], p.shape[-1] * 2)
+    return jnp.moveaxis(v, -1, t.axis).astype(dtype)
 
 
 # ----------------------------------------------------------------------------- fake quant
