@@ -12,10 +12,26 @@ tests run the kernel itself in Triton's interpreter instead.
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 
 from quads_jax import nvfp4
+
+
+def import_jax_triton():
+    """``import jax_triton``, undoing its import-time ``TRITON_CACHE_DIR=""`` (jax-triton 0.3.1),
+    which makes every later Triton launch from torch in the same process fail with "Could not
+    create or locate cache dir" (seen on the H200, run 9)."""
+    before = os.environ.get("TRITON_CACHE_DIR")
+    import jax_triton
+
+    if before is None:
+        os.environ.pop("TRITON_CACHE_DIR", None)
+    else:
+        os.environ["TRITON_CACHE_DIR"] = before
+    return jax_triton
 
 
 def _bits(scales):
@@ -25,7 +41,7 @@ def _bits(scales):
 def triton_nvfp4_matmul(xq: nvfp4.NVFP4Tensor, rq: nvfp4.NVFP4Tensor | None, w: nvfp4.NVFP4Tensor, *,
                         out_dtype=jnp.bfloat16, config=None):
     """q(x) [T, K] (and the selected residual) times the NVFP4 weight [N, K] -> [T, N]."""
-    import jax_triton as jt
+    jt = import_jax_triton()
 
     from quads_jax.tiling import gemm_config
     from rollout.sglang_plugin.triton_gemm import w4a4_rac_gemm_kernel
@@ -46,6 +62,6 @@ def triton_nvfp4_matmul(xq: nvfp4.NVFP4Tensor, rq: nvfp4.NVFP4Tensor | None, w: 
         grid=(-(-t // cfg.block_m), -(-n // cfg.block_n), cfg.split_k),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-        HAS_RAC=rq is not None, F32_OPERANDS=False,
+        HAS_RAC=rq is not None, F32_OPERANDS=False, SWAP_AB=cfg.swap_ab,
     )
     return out[0] if cfg.split_k == 1 else out.sum(0).astype(out_dtype)

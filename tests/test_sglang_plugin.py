@@ -182,3 +182,29 @@ def test_triton_kernel_equals_jax_reference_in_the_interpreter():
     rels = {key: v for key, v in res.items() if key.startswith("rel_")}
     assert len(rels) == 20 and max(rels.values()) < 1e-6, rels  # accumulation order only
     assert "x codes" in res["bad_shape_error"] and "uint8" in res["bad_shape_error"]
+
+
+def test_import_jax_triton_keeps_the_triton_cache_dir(monkeypatch, tmp_path):
+    """jax-triton 0.3.1 blanks TRITON_CACHE_DIR at import; the wrapper puts it back."""
+    import sys
+    import types
+
+    from pallas_kernels import triton_interop
+
+    fake = types.ModuleType("jax_triton")
+    monkeypatch.setitem(sys.modules, "jax_triton", fake)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    real_import = __builtins__["__import__"] if isinstance(__builtins__, dict) else __builtins__.__import__
+
+    def blanking_import(name, *a, **k):
+        mod = real_import(name, *a, **k)
+        if name == "jax_triton":
+            os.environ["TRITON_CACHE_DIR"] = ""  # what the real package does at import
+        return mod
+
+    monkeypatch.setattr("builtins.__import__", blanking_import)
+    assert triton_interop.import_jax_triton() is fake
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path)
+    monkeypatch.delenv("TRITON_CACHE_DIR")
+    triton_interop.import_jax_triton()
+    assert "TRITON_CACHE_DIR" not in os.environ
