@@ -31,6 +31,7 @@ try:
         out[f"torch_triton_rho{rho}_rel_vs_torch_ref"] = float((got - ref).norm() / ref.norm())
 except Exception as e:
     out["torch_error"] = traceback.format_exc()[-1500:]
+print(json.dumps(out), flush=True)
 try:
     import jax.numpy as jnp
 
@@ -48,4 +49,11 @@ try:
         out[f"jax_triton_rho{rho}_rel_vs_pallas"] = float(np.linalg.norm(a - b) / np.linalg.norm(b))
 except Exception as e:
     out["jax_error"] = traceback.format_exc()[-1500:]
+print(json.dumps(out), flush=True)
+try:  # a torch launch after jax-triton's import (which blanks TRITON_CACHE_DIR unless undone)
+    got = TG.quads_linear_triton(x, wc, ws.view(torch.float8_e4m3fn), gw, rac_ratio=0.25, out_dtype=torch.float32)
+    ref = N.quads_linear(x, wc, ws.view(torch.float8_e4m3fn), gw, rac_ratio=0.25, out_dtype=torch.float32)
+    out["torch_after_jax_triton_rho0.25_rel_vs_torch_ref"] = float((got - ref).norm() / ref.norm())
+except Exception as e:
+    out["torch_after_jax_triton_error"] = traceback.format_exc()[-1500:]
 print(json.dumps(out, indent=1))
