@@ -586,10 +586,15 @@ def sass(out_dir):
         "for c in (b, dc.replace(b, swap_ab=True), dc.replace(b, swap_ab=True, decode='prmt')):\n"
         "    jax.block_until_ready(nvfp4_matmul(x,w,rac_ratio=0.5,backend='pallas',config=c))\n"
     )
-    env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={dump}")
-    subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True)
-    ptx = sorted(glob.glob(f"{dump}/**/*.ptx", recursive=True))
-    res = {"ptx_files": len(ptx)}
+    # run 9 found no .ptx with --xla_dump_to alone: ask for text and LLVM IR dumps too, and
+    # record what the dump holds
+    env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={dump} --xla_dump_hlo_as_text --xla_gpu_dump_llvmir")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    files = sorted(glob.glob(f"{dump}/**/*", recursive=True))
+    ptx = [f for f in files if f.endswith(".ptx")]
+    res = {"ptx_files": len(ptx), "rc": r.returncode, "stderr_tail": r.stderr[-400:],
+           "dump_suffixes": sorted({os.path.basename(f).split(".")[-1] for f in files})[:40],
+           "triton_plugin": triton_plugin_sass()}
     for p in ptx:
         txt = open(p).read()
         if "nvfp4_matmul" not in txt and "mma" not in txt:
@@ -603,6 +608,38 @@ def sass(out_dir):
         else:
             res[os.path.basename(p)]["ptxas_error"] = r.stderr[:300]
     return res
+
+def triton_plugin_sass():
+    """MMA instruction counts in the SASS of the SGLang plugin's Triton GEMM (torch launch)."""
+    try:
+        import torch
+
+        from rollout.sglang_plugin import triton_gemm as TG
+        from quads_jax.tiling import gemm_config
+
+        t, n, k = 16, 768, 2048
+        z = lambda *shape: torch.zeros(shape, dtype=torch.uint8, device="cuda")
+        out = {}
+        for name, cfg in (("default", gemm_config(t, n, k)), ("unswapped", dataclasses_replace(gemm_config(t, n, k), swap_ab=False))):
+            o = torch.empty((cfg.split_k, t, n), dtype=torch.float32, device="cuda")
+            g = torch.ones(t, device="cuda")
+            kern = TG.w4a4_rac_gemm_kernel[(-(-t // cfg.block_m), -(-n // cfg.block_n), cfg.split_k)](
+                z(t, k // 2), z(t, k // 16), g, z(t, k // 2), z(t, k // 16), z(n, k // 2), z(n, k // 16), g[:1], t, n, o, K=k,
+                BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k, HAS_RAC=True,
+                F32_OPERANDS=False, SWAP_AB=cfg.swap_ab, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+            sass = kern.asm["sass"]
+            out[name] = {"sass_HMMA": sass.count("HMMA"), "sass_HGMMA": sass.count("HGMMA"), "ptx_wgmma": kern.asm["ptx"].count("wgmma"),
+                         "ptx_mma_sync": kern.asm["ptx"].count("mma.sync")}
+        return out
+    except Exception as e:
+        return {"error": f"{type(e).__name__}: {e}"[:400]}
+
+
+def dataclasses_replace(obj, **kw):
+    import dataclasses
+
+    return dataclasses.replace(obj, **kw)
+
 
 @section("swap")
 def swap_sweep(measure, copy_tbps=None):
