@@ -611,6 +611,8 @@ def sass(out_dir):
 
 def triton_plugin_sass():
     """MMA instruction counts in the SASS of the SGLang plugin's Triton GEMM (torch launch)."""
+    import dataclasses
+
     try:
         import torch
 
@@ -620,7 +622,7 @@ def triton_plugin_sass():
         t, n, k = 16, 768, 2048
         z = lambda *shape: torch.zeros(shape, dtype=torch.uint8, device="cuda")
         out = {}
-        for name, cfg in (("default", gemm_config(t, n, k)), ("unswapped", dataclasses_replace(gemm_config(t, n, k), swap_ab=False))):
+        for name, cfg in (("default", gemm_config(t, n, k)), ("unswapped", dataclasses.replace(gemm_config(t, n, k), swap_ab=False))):
             o = torch.empty((cfg.split_k, t, n), dtype=torch.float32, device="cuda")
             g = torch.ones(t, device="cuda")
             kern = TG.w4a4_rac_gemm_kernel[(-(-t // cfg.block_m), -(-n // cfg.block_n), cfg.split_k)](
@@ -633,12 +635,6 @@ def triton_plugin_sass():
         return out
     except Exception as e:
         return {"error": f"{type(e).__name__}: {e}"[:400]}
-
-
-def dataclasses_replace(obj, **kw):
-    import dataclasses
-
-    return dataclasses.replace(obj, **kw)
 
 
 @section("swap")
