@@ -317,8 +317,9 @@ def test_division_is_correctly_rounded_under_jit(div):
 
 @pytest.mark.parametrize("shape,axis,keep", [((48, 64), -1, ()), ((64, 40), 0, ()), ((3, 24, 96), -1, (0,))])
 def test_block_values_times_global_scale_is_dequantize(shape, axis, keep):
-    """block_values (BF16, per packed byte) times the global scale equals dequantize bit for
-    bit, over heavy-tailed data that reaches every code and a wide range of block scales."""
+    """block_values (BF16, per packed byte) times the global scale, and dequantize (built on
+    it), equal code value x float32 block scale x global scale computed in numpy from the
+    unpacked codes, bit for bit, over heavy-tailed data reaching every code and many scales."""
     rng = np.random.default_rng(11)
     x = rng.standard_normal(shape) * np.exp(2.5 * rng.standard_normal(shape))
     t = F.quantize(jnp.asarray(x, jnp.float32), axis=axis, keep_axes=keep)
@@ -326,5 +327,9 @@ def test_block_values_times_global_scale_is_dequantize(shape, axis, keep):
     assert len(np.unique(codes)) >= 15  # (nearly) every E2M1 code, both signs
     v = F.block_values(t, jnp.float32)
     assert v.shape == tuple(shape)
-    np.testing.assert_array_equal(np.asarray(v * t.global_scale), np.asarray(F.dequantize(t, jnp.float32)))
+    grid = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0.0, -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+    sc = np.repeat(np.asarray(t.scales.astype(jnp.float32)), 16, axis=axis)
+    ref = grid[codes] * sc * np.asarray(t.global_scale, np.float32)
+    np.testing.assert_array_equal(np.asarray(v * t.global_scale), ref)
+    np.testing.assert_array_equal(np.asarray(F.dequantize(t, jnp.float32)), ref)
     np.testing.assert_array_equal(np.asarray(F.block_values(t, jnp.bfloat16).astype(jnp.float32)), np.asarray(v))
