@@ -4,12 +4,17 @@
     eng.load(params, version=1)          # flat float params; quantized once for the recipe
     results = eng.generate([Request(prompt=[1, 5, 7], max_new_tokens=16, seed=0)])
 
-Scheduling: ``max_batch`` slots share one preallocated cache. Each iteration admits
-waiting requests into free slots (one jitted prefill over the batch in which only the
-new rows are real), then runs jitted decode steps for all active slots; a finished
-sequence frees its slot for the next waiting request. Sampling is per row with its own
-seed (``fold_in(key(seed), position)``), so a request's tokens do not depend on what it
-is batched with. Quantized recipes use per-token activation scales for the same reason.
+Scheduling: ``max_batch`` slots share one preallocated cache (donated to every jitted
+call, so it is updated in place). Each iteration admits waiting requests into free slots
+(one jitted prefill over the batch in which only the new rows are real), then runs a
+*decode burst*: up to ``decode_burst`` decode steps in one jitted loop on the device, with
+sampling, stop tokens and length limits checked there (a row that finishes stops writing
+its cache and emitting tokens), and one transfer to the host at the end. A finished
+sequence frees its slot for the next waiting request at the end of the burst; while
+requests wait, a burst is cut to the fewest tokens any active row still needs. Sampling
+is per row with its own seed (``fold_in(key(seed), position)``), so a request's tokens
+do not depend on what it is batched with nor on the burst length. Quantized recipes use
+per-token activation scales for the same reason.
 
 Log-probabilities are ``log_softmax`` of the raw (untempered) logits at the sampled
 token, in float32: the quantity the trainer recomputes.
@@ -57,28 +62,42 @@ class Result:
 
 def sample(logits, temperature, top_p, top_k, keys):
     """Row-wise sampling: logits [B, V] float32; temperature/top_p/top_k [B]; keys [B].
-    Returns (tokens [B], logprob of each under the raw logits [B])."""
+    Returns (tokens [B], logprob of each under the raw logits [B]).
+
+    Gumbel-max over the tempered logits in vocabulary order, restricted to the top-k /
+    top-p set: the set is "logit >= the smallest kept logit" (tokens tied with the last
+    kept one are kept too), so the sort that finds it runs only when some row filters.
+    temperature <= 0 is greedy (argmax)."""
     v = logits.shape[-1]
-    order = jnp.argsort(-logits, axis=-1)
-    srt = jnp.take_along_axis(logits, order, axis=-1)
-    t = jnp.maximum(temperature, 1e-6)[:, None]
-    scaled = srt / t
-    rank = jnp.arange(v)[None, :]
-    k = jnp.where(top_k > 0, top_k, v)[:, None]
-    probs = jax.nn.softmax(scaled, axis=-1)
-    before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly before this token
-    keep = (rank < k) & ((before < top_p[:, None]) | (rank == 0))
-    masked = jnp.where(keep, scaled, -jnp.inf)
-    pick = jax.vmap(lambda key, l: jax.random.categorical(key, l))(keys, masked)
-    pick = jnp.where(temperature <= 0, 0, pick)
-    tok = jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0]
+    scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
+
+    def kept_floor(scaled):
+        srt = -jnp.sort(-scaled, axis=-1)  # descending
+        probs = jax.nn.softmax(srt, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs  # mass strictly before this token
+        rank = jnp.arange(v)[None, :]
+        k = jnp.where(top_k > 0, top_k, v)[:, None]
+        keep = (rank < k) & ((before < top_p[:, None]) | (rank == 0))
+        return jnp.min(jnp.where(keep, srt, jnp.inf), axis=-1)
+
+    filters = jnp.any((top_k > 0) & (top_k < v)) | jnp.any(top_p < 1.0)
+    floor = jax.lax.cond(filters, kept_floor, lambda x: jnp.full(x.shape[:1], -jnp.inf, x.dtype), scaled)
+    g = jax.vmap(lambda key: jax.random.gumbel(key, (v,), jnp.float32))(keys)
+    pick = jnp.argmax(jnp.where(scaled >= floor[:, None], scaled + g, -jnp.inf), axis=-1)
+    tok = jnp.where(temperature <= 0, jnp.argmax(logits, axis=-1), pick).astype(jnp.int32)
     lp = jax.nn.log_softmax(logits, axis=-1)
-    return tok.astype(jnp.int32), jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0]
+    return tok, jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0]
+
+
+def row_keys(seeds, positions):
+    """The sampling key of each row: fold_in(key(seed), number of tokens it generated)."""
+    return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seeds, positions)
 
 
 class Engine:
     def __init__(self, cfg: ModelConfig, *, recipe: P.Precision | str = "bf16", max_batch: int = 32,
-                 max_len: int | None = None, eos_token_id: int | None = None, prefill_bucket: int = 32):
+                 max_len: int | None = None, eos_token_id: int | None = None, prefill_bucket: int = 32,
+                 decode_burst: int = 16):
         self.cfg = cfg
         self.recipe = P.rollout_recipe(recipe) if isinstance(recipe, str) else recipe
         self.recipe_name = recipe if isinstance(recipe, str) else "custom"
@@ -88,6 +107,9 @@ class Engine:
             raise ValueError(f"max_len={self.max_len} exceeds the model's max_seq_len={cfg.max_seq_len}")
         self.eos = eos_token_id
         self.bucket = int(prefill_bucket)
+        if int(decode_burst) < 1:
+            raise ValueError(f"decode_burst={decode_burst}: expected >= 1 (decode steps per device loop)")
+        self.decode_burst = int(decode_burst)
         self.version = None
         self._model = None
         self._lock = threading.Lock()  # weight swaps wait for a running generate() to finish
@@ -101,7 +123,8 @@ class Engine:
 
         self._prepare = jax.jit(prep)
         self._rgraph = nnx.split(nnx.eval_shape(lambda: prepare_for_rollout(Transformer(cfg, rngs=nnx.Rngs(0)), recipe_)))[0]
-        self._step = jax.jit(self._step_impl)
+        self._step = jax.jit(self._step_impl, donate_argnames=("cache",))
+        self._burst = jax.jit(self._burst_impl, donate_argnames=("cache",))
 
     # -- weights
     def load(self, params: dict, version=None):
@@ -115,15 +138,53 @@ class Engine:
     def loaded(self) -> bool:
         return self.version is not None or hasattr(self, "_state")
 
-    def _step_impl(self, state, tokens, mask, cache, last_idx, temperature, top_p, top_k, keys):
-        model = nnx.merge(self._rgraph, state)
+    def _sample_at(self, model, tokens, mask, cache, last_idx, temperature, top_p, top_k, seeds, pos):
+        """One forward over tokens [B, T]; samples at each row's last_idx. -> (tok, lp, cache,
+        experts [B, L_moe, k] at that position, or None)."""
         logits, aux, cache = model.forward(tokens, mask=mask, cache=cache)
         last = jnp.take_along_axis(logits, last_idx[:, None, None], axis=1)[:, 0]
-        tok, lp = sample(last, temperature, top_p, top_k, keys)
+        tok, lp = sample(last, temperature, top_p, top_k, row_keys(seeds, pos))
         experts = aux["experts"]
         if experts is not None:  # [L, B, T, k] -> at the last real position [B, L, k]
             experts = jnp.take_along_axis(experts, last_idx[None, :, None, None], axis=2)[:, :, 0].transpose(1, 0, 2)
         return tok, lp, cache, experts
+
+    def _step_impl(self, state, tokens, mask, cache, last_idx, temperature, top_p, top_k, seeds, pos):
+        return self._sample_at(nnx.merge(self._rgraph, state), tokens, mask, cache, last_idx, temperature, top_p,
+                               top_k, seeds, pos)
+
+    def _burst_impl(self, state, tok, alive, cache, temperature, top_p, top_k, seeds, pos, remaining, stops, n_steps):
+        """Up to ``n_steps`` (<= decode_burst) decode steps in one device loop. Row b feeds its
+        last token while ``alive[b]``; it stops after ``remaining[b]`` tokens or on a token in
+        ``stops[b]`` (padded with -1). Returns per step [decode_burst, B] tokens, logprobs, and
+        whether the row emitted a token, the experts ([burst, B, L, k] or None), and the cache."""
+        model = nnx.merge(self._rgraph, state)
+        b, nb = tok.shape[0], self.decode_burst
+        zeros_b = jnp.zeros((b,), jnp.int32)
+
+        def step(tok, alive, cache, pos):
+            return self._sample_at(model, tok[:, None], alive[:, None], cache, zeros_b, temperature, top_p, top_k,
+                                   seeds, pos)
+
+        shapes = jax.eval_shape(step, tok, alive, cache, pos)
+        out = {"tok": jnp.zeros((nb, b), jnp.int32), "lp": jnp.zeros((nb, b), jnp.float32),
+               "emitted": jnp.zeros((nb, b), bool)}
+        if shapes[3] is not None:
+            out["experts"] = jnp.zeros((nb,) + shapes[3].shape, shapes[3].dtype)
+
+        def body(i, carry):
+            tok, alive, cache, pos, rem, out = carry
+            t, lp, cache, ex = step(tok, alive, cache, pos)
+            out = dict(out, tok=out["tok"].at[i].set(t), lp=out["lp"].at[i].set(lp), emitted=out["emitted"].at[i].set(alive))
+            if ex is not None:
+                out["experts"] = out["experts"].at[i].set(ex)
+            step_on = alive.astype(jnp.int32)
+            rem = rem - step_on
+            stopped = jnp.any(t[:, None] == stops, axis=1)
+            return jnp.where(alive, t, tok), alive & (rem > 0) & ~stopped, cache, pos + step_on, rem, out
+
+        carry = jax.lax.fori_loop(0, n_steps, body, (tok, alive, cache, pos, remaining, out))
+        return carry[5], carry[2]
 
     # -- generation
     def validate(self, requests: Sequence[Request]) -> None:
@@ -163,6 +224,31 @@ class Engine:
         topp = np.ones(b, np.float32)
         topk = np.zeros(b, np.int32)
         seeds = np.zeros(b, np.uint32)
+
+        def stop_ids(r):
+            return list(r.stop_token_ids) + ([] if r.ignore_eos or self.eos is None else [self.eos])
+
+        def record(rows, toks, lps, emitted, experts):
+            """Append step i's token of each row that emitted one; finish and free slots."""
+            for i in range(toks.shape[0]):
+                for s in rows:
+                    ri = slot_req[s]
+                    if ri < 0 or not emitted[i, s]:
+                        continue
+                    r, t = requests[ri], int(toks[i, s])
+                    out_ids[ri].append(t)
+                    out_lp[ri].append(float(lps[i, s]))
+                    if r.return_experts and experts is not None:
+                        out_ex[ri].append(experts[i, s].tolist())
+                    last_tok[s] = t
+                    stop = t in stop_ids(r)
+                    if stop or len(out_ids[ri]) >= r.max_new_tokens:
+                        finish[ri] = "stop" if stop else "length"
+                        slot_req[s] = -1
+
+        def positions():
+            return np.array([len(out_ids[q]) if q >= 0 else 0 for q in slot_req], np.int32)
+
         while waiting or any(s >= 0 for s in slot_req):
             free = [i for i in range(b) if slot_req[i] < 0]
             admit = []
@@ -182,40 +268,26 @@ class Engine:
                     temp[s], topp[s], topk[s], seeds[s] = r.temperature, r.top_p, r.top_k, r.seed
                 cache["lengths"] = jnp.asarray(lengths)
                 last = np.maximum(mask.sum(1) - 1, 0).astype(np.int32)
-                self._advance(state, toks, mask, cache, last, temp, topp, topk, seeds, admit, slot_req, requests,
-                              out_ids, out_lp, out_ex, finish, last_tok)
-                cache = self._cache
+                tok, lp, cache, ex = self._step(state, toks, mask, cache, last, temp, topp, topk, seeds, positions())
+                record(admit, np.asarray(tok)[None], np.asarray(lp)[None], np.ones((1, b), bool),
+                       None if ex is None else np.asarray(ex)[None])
                 continue
             active = [i for i in range(b) if slot_req[i] >= 0]
-            toks = last_tok[:, None].copy()
-            mask = np.zeros((b, 1), bool)
-            mask[active] = True
-            self._advance(state, toks, mask, cache, np.zeros(b, np.int32), temp, topp, topk, seeds, active, slot_req,
-                          requests, out_ids, out_lp, out_ex, finish, last_tok)
-            cache = self._cache
+            remaining = np.zeros(b, np.int32)
+            for s in active:
+                remaining[s] = requests[slot_req[s]].max_new_tokens - len(out_ids[slot_req[s]])
+            # while requests wait, stop as soon as a slot is due to free; otherwise run a full burst
+            due = remaining[active].min() if waiting else remaining[active].max()
+            n = int(min(self.decode_burst, due))
+            stops = [stop_ids(requests[slot_req[s]]) if slot_req[s] >= 0 else [] for s in range(b)]
+            width = 1 << max(0, max(len(x) for x in stops) - 1).bit_length()  # a power of two: few compiles
+            table = np.full((b, width), -1, np.int32)
+            for s, x in enumerate(stops):
+                table[s, : len(x)] = x
+            out, cache = self._burst(state, last_tok, remaining > 0, cache, temp, topp, topk, seeds, positions(),
+                                     remaining, table, np.int32(n))
+            out = jax.device_get(out)
+            record(active, out["tok"][:n], out["lp"][:n], out["emitted"][:n], out.get("experts"))
         return [Result(output_ids=out_ids[i], logprobs=out_lp[i], finish_reason=finish[i],
                        prompt_tokens=len(requests[i].prompt), weight_version=version,
                        experts=out_ex[i] if requests[i].return_experts else None) for i in range(len(requests))]
-
-    def _advance(self, state, toks, mask, cache, last, temp, topp, topk, seeds, rows, slot_req, requests,
-                 out_ids, out_lp, out_ex, finish, last_tok):
-        pos = np.array([len(out_ids[slot_req[i]]) if slot_req[i] >= 0 else 0 for i in range(len(slot_req))])
-        keys = jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(jnp.asarray(seeds), jnp.asarray(pos))
-        tok, lp, cache, experts = self._step(state, jnp.asarray(toks), jnp.asarray(mask), cache, jnp.asarray(last),
-                                             jnp.asarray(temp), jnp.asarray(topp), jnp.asarray(topk), keys)
-        self._cache = cache
-        tok, lp = np.asarray(tok), np.asarray(lp)
-        ex = None if experts is None else np.asarray(experts)
-        for s in rows:
-            ri = slot_req[s]
-            r = requests[ri]
-            t = int(tok[s])
-            out_ids[ri].append(t)
-            out_lp[ri].append(float(lp[s]))
-            if r.return_experts and ex is not None:
-                out_ex[ri].append(ex[s].tolist())
-            last_tok[s] = t
-            stop = (t in r.stop_token_ids) or (not r.ignore_eos and self.eos is not None and t == self.eos)
-            if stop or len(out_ids[ri]) >= r.max_new_tokens:
-                finish[ri] = "stop" if stop else "length"
-                slot_req[s] = -1

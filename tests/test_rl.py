@@ -105,6 +105,11 @@ def test_engine_seeded_logprobs_match_trainer_and_batching_is_invariant(params):
     assert all(r.finish_reason == "length" and r.weight_version == 7 for r in res)
     again = eng.generate(reqs)
     assert [r.output_ids for r in again] == [r.output_ids for r in res]  # same seeds, same tokens
+    step_by_step = Engine(CFG, recipe="bf16", max_batch=4, max_len=40, decode_burst=1)  # one host round trip a token
+    step_by_step.load(flat, version=7)
+    assert [r.output_ids for r in step_by_step.generate(reqs)] == [r.output_ids for r in res]  # bursts change nothing
+    with pytest.raises(ValueError, match="decode_burst"):
+        Engine(CFG, recipe="bf16", max_batch=4, max_len=40, decode_burst=0)
     one = [eng.generate([q])[0] for q in reqs[:3]]  # one at a time
     for a, b in zip(one, res[:3]):
         assert a.output_ids == b.output_ids
