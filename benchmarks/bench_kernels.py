@@ -375,18 +375,34 @@ def prefill(measure, quick=False):
     return rows
 
 
+def grouped_candidates(base):
+    """Grouped-GEMM tiles around the heuristic's: decode and activation variants, wider N
+    tiles, deeper K tiles, warps and stages."""
+    import dataclasses as dc
+
+    out = [dc.replace(base, decode="bits", act_load="codes"), dc.replace(base, decode="bits"), dc.replace(base, act_load="codes")]
+    for bn, bk, warps, stages in [(128, 128, 4, 4), (128, 128, 8, 3), (256, 128, 8, 3), (64, 256, 4, 3), (128, 256, 8, 3),
+                                  (64, 128, 4, 2), (64, 64, 4, 4)]:
+        out.append(dc.replace(base, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages))
+    return out
+
+
 @section("grouped")
-def grouped(measure):
+def grouped(measure, tune=True):
+    """Grouped MoE decode GEMM against ``lax.ragged_dot`` (BF16), at the issue's shapes and the
+    rollout benchmark model's expert shapes (d 1024, expert FFN 512); with ``tune`` the
+    tile variants of ``grouped_candidates`` at two shapes, each checked against XLA."""
     import jax
     import jax.numpy as jnp
 
     from quads_jax import nvfp4 as F
+    from quads_jax.tiling import gemm_config
     from pallas_kernels import nvfp4_grouped_matmul
 
     rows = []
     rng = np.random.default_rng(3)
     e, topk = 64, 8
-    for t, k, n in [(64, 2048, 768), (64, 768, 2048), (16, 2048, 768)]:
+    for t, k, n in [(64, 2048, 768), (64, 768, 2048), (16, 2048, 768), (64, 1024, 512), (64, 512, 1024)]:
         m = t * topk
         sizes = jnp.asarray(np.bincount(rng.integers(0, e, m), minlength=e).astype(np.int32))
         wf = jnp.asarray(rng.standard_normal((e, n, k)).astype(np.float32) * 0.02)
@@ -403,8 +419,23 @@ def grouped(measure):
         if r.get("nvfp4_rho0_us"):
             r["speedup_vs_ragged_dot"] = r["ragged_dot_bf16_us"] / r["nvfp4_rho0_us"]
             r["weight_TBps"] = (w4.codes.size + w4.scales.size) / r["nvfp4_rho0_us"] / 1e6
+        if tune and (k, n) in ((2048, 768), (1024, 512)) and t == 64:
+            ref = np.asarray(nvfp4_grouped_matmul(x, w4, sizes, backend="xla", rac_ratio=0.5, out_dtype=jnp.float32))
+            r["variants"] = []
+            for cfg in grouped_candidates(gemm_config(-(-m // e), n, k, programs_per_row_tile=e)):
+                v = {f: getattr(cfg, f) for f in ("block_n", "block_k", "split_k", "num_warps", "num_stages", "decode", "act_load")}
+                try:
+                    f = lambda a, w, g, cfg=cfg: nvfp4_grouped_matmul(a, w, g, backend="pallas", rac_ratio=0.5, out_dtype=jnp.float32, config=cfg)
+                    got = np.asarray(f(x, w4, sizes))
+                    v["rho0.5_rel_vs_xla"] = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+                    v["rho0.5_us"] = measure(f, x, w4, sizes)
+                    v["rho0_us"] = measure(lambda a, w, g, cfg=cfg: nvfp4_grouped_matmul(a, w, g, backend="pallas", config=cfg), x, w4, sizes)
+                except Exception as ex:
+                    v["error"] = f"{type(ex).__name__}: {ex}"[:300]
+                r["variants"].append(v)
+                print(json.dumps(v), flush=True)
         rows.append(r)
-        print(json.dumps(r), flush=True)
+        print(json.dumps({k_: v_ for k_, v_ in r.items() if k_ != "variants"}), flush=True)
     return rows
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call (<= 10 min) for what the open issues still need measured; each stage has its
 # own time cap, and what a stage measured survives a later one's failure. Stages (STAGES picks
-# a subset by name, in this order):
+# a subset by name and their order; the default order is most-needed first):
 #   triton_smoke  the Triton GEMM on the GPU: torch launch vs the torch reference, jax-triton vs Pallas (#5)
 #   triton        the Triton section: parity and GEMM-only times, jax-triton vs torch vs Pallas (#5)
 #   swap          decode GEMM variants (swap_ab, prmt decode, warps, tiles) at T=16, 64 (#8)
@@ -19,12 +19,12 @@ o="${OUT:-runs/gpu}"
 mkdir -p "$o"
 export PYTHONUNBUFFERED=1 PYTHONPATH=.:/tmp/site:${PYTHONPATH:-} TRITON_HOME=/tmp/triton_home TRITON_CACHE_DIR=/tmp/triton_cache
 mkdir -p "$TRITON_HOME" "$TRITON_CACHE_DIR"
-STAGES="${STAGES:-triton_smoke triton swap prefill sass decode grouped train rollout}"
+ALL="triton_smoke rollout decode grouped sass prefill triton swap train"
+STAGES="${STAGES:-$ALL}"  # run in the order given
 RECIPES="${RECIPES:-quads,fp8,nvfp4,bf16}"
 DEADLINE="${DEADLINE:-575}"  # seconds from the start: no stage runs past it, so every log gets saved
 stage() {
   local cap=$1 name=$2; shift 2
-  [[ " $STAGES " == *" $name "* ]] || return 0
   local left=$((DEADLINE - SECONDS))
   (( left < 20 )) && { echo "== $name skipped (${left}s left)"; return 0; }
   (( cap > left )) && cap=$left
@@ -33,12 +33,20 @@ stage() {
   grep -v -E "Warning|warn|^W[0-9]" "$o/$name.log" | grep -E '^\||^\{|rc=|Error|/' | tail -14 | cut -c1-400
   (cd "$o" && tar -rf results.tar "$name.log" $( [ -d "$name" ] && echo "$name" ) && rm -rf "$name.log" "$name")
 }
-stage 45 triton_smoke python3 benchmarks/triton_smoke.py
-stage 60 triton python3 benchmarks/bench_kernels.py --only triton --out "$o/triton"
-stage 100 swap python3 benchmarks/bench_kernels.py --only swap --out "$o/swap"
-stage 45 prefill python3 benchmarks/bench_kernels.py --quick --only prefill --out "$o/prefill"
-stage 35 sass python3 benchmarks/bench_kernels.py --only sass --out "$o/sass"
-stage 60 decode python3 benchmarks/bench_kernels.py --quick --only ceilings,decode --out "$o/decode"
-stage 45 grouped python3 benchmarks/bench_kernels.py --only grouped --out "$o/grouped"
-stage 90 train python3 benchmarks/bench_model.py --out "$o/train" --skip-rollout --batch 1
-stage 170 rollout python3 benchmarks/bench_model.py --skip-train --out "$o/rollout" --prompts 256 --new-tokens 512 --decode-batch 64 --recipes "$RECIPES" --backends pallas
+BK="benchmarks/bench_kernels.py"
+run_stage() {
+  case $1 in
+    triton_smoke) stage 45 triton_smoke python3 benchmarks/triton_smoke.py ;;
+    triton) stage 60 triton python3 $BK --out "$o/triton" --only triton ;;
+    swap) stage 100 swap python3 $BK --out "$o/swap" --only swap ;;
+    prefill) stage 45 prefill python3 $BK --out "$o/prefill" --only prefill --quick ;;
+    sass) stage 35 sass python3 $BK --out "$o/sass" --only sass ;;
+    decode) stage 60 decode python3 $BK --out "$o/decode" --only ceilings,decode --quick ;;
+    grouped) stage 100 grouped python3 $BK --out "$o/grouped" --only grouped ;;
+    train) stage 90 train python3 benchmarks/bench_model.py --out "$o/train" --skip-rollout --batch 1 ;;
+    rollout) stage "${ROLLOUT_CAP:-250}" rollout python3 benchmarks/bench_model.py --skip-train --out "$o/rollout" --prompts 256 \
+               --new-tokens 512 --decode-batch 64 --recipes "$RECIPES" --backends pallas ;;
+    *) echo "unknown stage $1 (expected one of: $ALL)"; return 1 ;;
+  esac
+}
+for s in $STAGES; do run_stage "$s"; done
