@@ -351,20 +351,18 @@ def prefill(measure, quick=False):
                     r[f"{name}_{path}_TFLOPs"] = flops / measure(lambda a, w: nvfp4_matmul(a, w, backend="pallas", config=cfg, **kw), x, w4, iterations=20) / 1e6
                 except Exception as e:
                     RESULTS["errors"][f"prefill_{t}_{name}_{path}"] = f"{type(e).__name__}: {e}"[:600]
-        if t == 4096:  # where the dequant path's time goes, and the same with its operands materialised
+        if t == 4096:  # where the dequant path's time goes, and the operand decode alone
             try:
-                from pallas_kernels import quantize_activations_rac
-                from pallas_kernels.nvfp4_matmul import dequant_dot
+                from pallas_kernels import nvfp4_block_values
                 cfg = dc.replace(gemm_config(t, n, k), path="dequant")
                 r["rho0_dequant_kernels_us"] = breakdown(lambda a, w: nvfp4_matmul(a, w, backend="pallas", config=cfg), x, w4)
-
-                def barrier(a, w):  # block_values materialised before the dot (no prologue fusion)
-                    xq, _ = quantize_activations_rac(a, backend="pallas")
-                    xv, wv = jax.lax.optimization_barrier((F.block_values(xq), F.block_values(w)))
-                    out = jax.lax.dot_general(xv, wv, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-                    return (out * xq.global_scale * w.global_scale).astype(jnp.bfloat16)
-                r["nvfp4_rho0_dequant_barrier_TFLOPs"] = flops / measure(barrier, x, w4, iterations=20) / 1e6
-                r["rho0_dequant_barrier_kernels_us"] = breakdown(barrier, x, w4)
+                moved = w4.codes.size + w4.scales.size + 2 * w4.codes.size * 2  # read codes + scales, write BF16
+                want = np.asarray(F.block_values(w4)).view(np.uint16)
+                for be in ("pallas", "xla"):
+                    f = lambda w, be=be: nvfp4_block_values(w, backend=be)
+                    r[f"block_values_{be}_exact"] = bool((np.asarray(f(w4)).view(np.uint16) == want).all())
+                    r[f"block_values_{be}_us"] = measure(f, w4, iterations=20)
+                    r[f"block_values_{be}_TBps"] = moved / r[f"block_values_{be}_us"] / 1e6
             except Exception as e:
                 RESULTS["errors"][f"prefill_{t}_breakdown"] = f"{type(e).__name__}: {e}"[:600]
         best = max([v for key, v in r.items() if key.startswith("nvfp4_rho0_") and key.endswith("TFLOPs")], default=None)

@@ -34,35 +34,15 @@ from quads_jax import nvfp4
 from quads_jax.tiling import GemmConfig, gemm_config  # noqa: F401  (re-exported)
 from pallas_kernels import backend as _backend
 from pallas_kernels import rac
+from pallas_kernels.nvfp4_decode import nvfp4_block_values
 from pallas_kernels.quantize_activations import quantize_activations_rac
-from pallas_kernels.tile_math import load_even_odd, pad_axis, prmt_decode
+from pallas_kernels.tile_math import decode_tile, load_even_odd, pad_axis  # noqa: F401  (decode_tile re-exported)
 
 MODES = ("w4a4", "w4a16")
 
 
 # tiles: GemmConfig and the gemm_config heuristic live in quads_jax.tiling (no jax there, so
 # the SGLang plugin's Triton kernel shares them)
-
-
-# ----------------------------------------------------------------------------- tile decode
-
-
-def decode_tile(codes, scale_bits, rows, bk, decode="bits", interpret=False):
-    """Packed codes [rows, bk/2] (uint8) and E4M3 scale bits, either [rows, bk/16] or
-    already one per channel pair [rows, bk/2] -> the even and odd channels' block values
-    in BF16 (exact: E2M1 x E4M3 has at most 6 significant bits), each [rows, bk/2]."""
-    c = codes.astype(jnp.int32)
-    s = nvfp4.decode_e4m3_bits(scale_bits.astype(jnp.int32))
-    if s.shape[-1] != bk // 2:
-        s = jnp.broadcast_to(s[:, :, None], (rows, bk // 16, 8)).reshape(rows, bk // 2)
-    if decode == "prmt" and not interpret:
-        return prmt_decode(codes.astype(jnp.uint8), s.astype(jnp.bfloat16))
-    if decode in ("bits", "prmt"):
-        s = s.astype(jnp.bfloat16)
-        return nvfp4.decode_e2m1_bf16(c & 15) * s, nvfp4.decode_e2m1_bf16(c >> 4) * s
-    lo = (nvfp4.decode_e2m1_arith(c & 15) * s).astype(jnp.bfloat16)
-    hi = (nvfp4.decode_e2m1_arith(c >> 4) * s).astype(jnp.bfloat16)
-    return lo, hi
 
 
 def _dot_nt(a, b):
@@ -258,18 +238,19 @@ def nvfp4_matmul_xla(x, w, *, rac_ratio=0.0, rac_mode="token", act_scale="tensor
     return dequant_dot(xq, rq, w, out_dtype=out_dtype)
 
 
-def dequant_dot(xq, rq, w, *, x=None, out_dtype=jnp.bfloat16):
+def dequant_dot(xq, rq, w, *, x=None, out_dtype=jnp.bfloat16, values=nvfp4.block_values):
     """gw * (gx * Xv @ Wv.T + gr * Rv @ Wv.T) from the operands' BF16 block values (exact)
     with a BF16 dot accumulating in FP32; ``xq`` None means BF16 activations ``x`` (w4a16).
-    The XLA reference, and the Pallas backend's ``path="dequant"`` (prefill sizes)."""
-    wv = nvfp4.block_values(w, jnp.bfloat16)
+    The XLA reference, and the Pallas backend's ``path="dequant"`` (prefill sizes), which
+    passes the Pallas decode kernel as ``values`` (NVFP4Tensor -> BF16 block values)."""
+    wv = values(w)
     dot = lambda a: jax.lax.dot_general(a, wv, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     gw = jnp.asarray(w.global_scale, jnp.float32)
     if xq is None:
         return (dot(x.astype(jnp.bfloat16)) * gw).astype(out_dtype)
-    out = dot(nvfp4.block_values(xq)) * xq.global_scale
+    out = dot(values(xq)) * xq.global_scale
     if rq is not None:
-        out = out + dot(nvfp4.block_values(rq)) * rq.global_scale
+        out = out + dot(values(rq)) * rq.global_scale
     return (out * gw).astype(out_dtype)
 
 
@@ -297,6 +278,6 @@ def nvfp4_matmul(x, w, *, rac_ratio=0.0, rac_mode="token", act_scale="tensor", m
                                 quant_config=quant_config)
     w4a16 = mode == "w4a16"
     if cfg.path == "dequant":
-        return dequant_dot(xq, rq, w, x=x, out_dtype=out_dtype)
+        return dequant_dot(xq, rq, w, x=x, out_dtype=out_dtype, values=functools.partial(nvfp4_block_values, backend="pallas"))
     a, gx, r = activation_operands(x, xq, rq, cfg)
     return _gemm_call(a, gx, r, w.codes, _bits(w.scales), gw, n=n, cfg=cfg, out_dtype=out_dtype, interpret=_backend.interpret_mode())

@@ -51,6 +51,36 @@ def load_even_odd(ref, rows, start, width, mask, interpret, other=0):
     return v[:, :, 0], v[:, :, 1]
 
 
+def decode_tile(codes, scale_bits, rows, bk, decode="bits", interpret=False):
+    """Packed codes [rows, bk/2] (uint8) and E4M3 scale bits, either [rows, bk/16] or
+    already one per channel pair [rows, bk/2] -> the even and odd channels' block values
+    in BF16 (exact: E2M1 x E4M3 has at most 6 significant bits), each [rows, bk/2]."""
+    c = codes.astype(jnp.int32)
+    s = nvfp4.decode_e4m3_bits(scale_bits.astype(jnp.int32))
+    if s.shape[-1] != bk // 2:
+        s = jnp.broadcast_to(s[:, :, None], (rows, bk // 16, 8)).reshape(rows, bk // 2)
+    if decode == "prmt" and not interpret:
+        return prmt_decode(codes.astype(jnp.uint8), s.astype(jnp.bfloat16))
+    if decode in ("bits", "prmt"):
+        s = s.astype(jnp.bfloat16)
+        return nvfp4.decode_e2m1_bf16(c & 15) * s, nvfp4.decode_e2m1_bf16(c >> 4) * s
+    lo = (nvfp4.decode_e2m1_arith(c & 15) * s).astype(jnp.bfloat16)
+    hi = (nvfp4.decode_e2m1_arith(c >> 4) * s).astype(jnp.bfloat16)
+    return lo, hi
+
+
+def store_even_odd(ref, rows, start, width, mask, even, odd, interpret):
+    """Write ``even`` and ``odd`` ([r, width // 2] each) to the even and odd columns of
+    ``ref[rows, start:start + width]``: the inverse of ``load_even_odd``. Compiled: two
+    stride-2 stores. Interpret mode interleaves in registers and stores contiguously."""
+    if not interpret:
+        plgpu.store(ref.at[rows, pl.ds(start, width // 2, stride=2)], even, mask=mask)
+        plgpu.store(ref.at[rows, pl.ds(start + 1, width // 2, stride=2)], odd, mask=mask)
+        return
+    v = jnp.stack([even, odd], axis=-1).reshape(even.shape[0], width)
+    plgpu.store(ref.at[rows, pl.ds(start, width)], v, mask=mask)
+
+
 def kernel_arith(interpret: bool) -> nvfp4.Arith:
     return nvfp4.XLA_ARITH if interpret else TRITON_ARITH
 

@@ -195,6 +195,25 @@ def test_prefill_path_dequant_equals_xla_and_is_the_large_t_default(rng):
         pk.nvfp4_grouped_matmul(x, wg, jnp.asarray([20, 20]), backend="pallas", config=cfg)
 
 
+def test_block_values_kernel_bit_identical_to_the_format(rng):
+    """The Pallas decode (prefill operands) gives nvfp4.block_values bit for bit: ragged row
+    counts, narrow K (one 8-byte tile), per-expert tensors, a non-last quantized axis."""
+    cases = [((37, 512), {}), ((5, 48), {}), ((3, 20, 64), {"keep_axes": (0,)}), ((64, 40), {"axis": 0})]
+    for shape, kw in cases:
+        t = nvfp4.quantize(jnp.asarray(heavy(rng, shape)), **kw)
+        want = np.asarray(nvfp4.block_values(t)).view(np.uint16)
+        got = pk.nvfp4_block_values(t, backend="pallas")
+        assert got.shape == shape and got.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint16), want, err_msg=str(shape))
+    t = nvfp4.quantize(jnp.asarray(heavy(rng, (16, 256))))
+    got = pk.nvfp4_block_values(t, backend="pallas", config=pk.DecodeConfig(block_rows=8, block_bytes=32, decode="bits"))
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(nvfp4.block_values(t)).view(np.uint16))
+    with pytest.raises(ValueError, match="block_bytes"):
+        pk.nvfp4_block_values(t, backend="pallas", config=pk.DecodeConfig(block_bytes=256))
+    with pytest.raises(ValueError, match="NVFP4Tensor"):
+        pk.nvfp4_block_values(jnp.ones((4, 16)))
+
+
 def test_gemm_config_rejects_bad_values():
     with pytest.raises(ValueError, match="decode"):
         pk.GemmConfig(block_m=16, block_n=32, block_k=64, decode="lut")
