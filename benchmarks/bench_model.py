@@ -66,7 +66,34 @@ def fwd_bwd(cfg, batch, seq):
     return out, params
 
 
-def rollout(cfg, params, prompts, new_tokens, batch, recipes, out_dir, backends=("pallas", "xla")):
+def step_profile(eng, batch, max_len, steps=4, top=14):
+    """CUPTI kernel times of one decode step (a burst of ``steps`` at a cache length of 320,
+    not donated so it can repeat), summed by kernel name: where a recipe's step goes (us)."""
+    import collections
+
+    import jax
+    import jax.numpy as jnp
+    from jax.experimental.mosaic.gpu import profiler
+    from quads_jax.model.layers import init_kv_cache
+
+    cache = init_kv_cache(eng.cfg, batch, max_len + 64)
+    cache["lengths"] = jnp.full((batch,), 320, jnp.int32)
+    b = batch
+    args = (eng._state, np.ones(b, np.int32), np.ones(b, bool), cache, np.ones(b, np.float32), np.ones(b, np.float32),
+            np.zeros(b, np.int32), np.arange(b, dtype=np.uint32), np.full(b, 256, np.int32), np.full(b, 100, np.int32),
+            np.full((b, 1), -1, np.int32), np.int32(steps))
+    f = jax.jit(eng._burst_impl)
+    jax.block_until_ready(f(*args))
+    _, per_iter = profiler.measure(f, aggregate=False, iterations=3)(*args)
+    agg = collections.Counter()
+    for name, ms in per_iter[-1]:
+        agg[name.split(".")[0][:48]] += ms * 1e3 / steps
+    out = dict(agg.most_common(top))
+    out["total"] = sum(agg.values())
+    return out
+
+
+def rollout(cfg, params, prompts, new_tokens, batch, recipes, out_dir, backends=("pallas", "xla"), profile=True):
     from pallas_kernels import use_backend
     from rollout.engine import Engine, Request
 
@@ -85,7 +112,13 @@ def rollout(cfg, params, prompts, new_tokens, batch, recipes, out_dir, backends=
                     t0 = time.perf_counter()
                     res = eng.generate(reqs)
                     dt = time.perf_counter() - t0
-                out[key] = {"output_tokens_per_s": sum(len(r.output_ids) for r in res) / dt, "wall_s": dt}
+                out[key] = {"output_tokens_per_s": sum(len(r.output_ids) for r in res) / dt, "wall_s": dt,
+                            "decode_burst": eng.decode_burst}
+                if profile:
+                    try:
+                        out[key]["step_kernels_us"] = step_profile(eng, batch, 64 + new_tokens)
+                    except Exception as e:
+                        out[key]["profile_error"] = f"{type(e).__name__}: {e}"[:400]
             except Exception as e:
                 out[key] = {"error": f"{type(e).__name__}: {e}"[:600]}
                 traceback.print_exc()
@@ -106,9 +139,11 @@ def markdown(res):
                   f"peak memory {fb['peak_bytes_in_use_GiB']:.1f} GiB", ""]
     ro = res.get("rollout")
     if ro:
-        lines += [f"## Rollout decode ({res['rollout_setup']})", "", "| recipe/backend | output tok/s |", "|---|---|"]
+        lines += [f"## Rollout decode ({res['rollout_setup']})", "", "| recipe/backend | output tok/s | step kernels us |", "|---|---|---|"]
         for k, v in ro.items():
-            lines.append(f"| {k} | {v.get('output_tokens_per_s', float('nan')):.0f} {v.get('error', '')[:120]} |")
+            step = v.get("step_kernels_us", {}).get("total")
+            lines.append(f"| {k} | {v.get('output_tokens_per_s', float('nan')):.0f} {v.get('error', '')[:120]} | "
+                         f"{'-' if step is None else f'{step:.0f}'} |")
     if res["errors"]:
         lines += ["", "## Errors", ""] + [f"- {k}: {v[:300]}" for k, v in res["errors"].items()]
     return "\n".join(lines) + "\n"

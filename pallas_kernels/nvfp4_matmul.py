@@ -35,7 +35,7 @@ from quads_jax.tiling import GemmConfig, gemm_config  # noqa: F401  (re-exported
 from pallas_kernels import backend as _backend
 from pallas_kernels import rac
 from pallas_kernels.nvfp4_decode import nvfp4_block_values
-from pallas_kernels.quantize_activations import quantize_activations_rac
+from pallas_kernels.quantize_activations import QuantizedRows, quantize_activations_rac
 from pallas_kernels.tile_math import decode_tile, load_even_odd, pad_axis  # noqa: F401  (decode_tile re-exported)
 
 MODES = ("w4a4", "w4a16")
@@ -222,7 +222,13 @@ def _check_args(x, w, mode, rac_ratio, rac_mode, ndim=2):
 
 
 def quantized_operands(x, *, mode, rac_ratio, rac_mode, act_scale, backend, quant_config=None):
-    """Activation side shared by the dense and grouped GEMMs: (x codes or None, residual)."""
+    """Activation side shared by the dense and grouped GEMMs: (x codes or None, residual).
+    ``x`` may be QuantizedRows (quantized beforehand): its operands are used as they are."""
+    if isinstance(x, QuantizedRows):
+        if mode != "w4a4" or act_scale != "token" or (x.rac_ratio, x.rac_mode) != (float(rac_ratio), rac_mode):
+            raise ValueError(f"x: QuantizedRows (rac_ratio={x.rac_ratio}, rac_mode={x.rac_mode!r}, per-token scales) used by a GEMM "
+                             f"with mode={mode!r}, rac_ratio={rac_ratio}, rac_mode={rac_mode!r}, act_scale={act_scale!r}")
+        return x.xq, x.rq
     if mode == "w4a16":
         return None, None
     return quantize_activations_rac(x, rac_ratio=rac_ratio, rac_mode=rac_mode, act_scale=act_scale, backend=backend,

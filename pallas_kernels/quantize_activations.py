@@ -39,8 +39,9 @@ class QuantConfig:
     num_warps: int = 4
     num_stages: int = 1
     # per-token global scales computed inside the kernel (a first pass over the row) instead
-    # of by XLA reductions before it; the same bits either way. Opt-in until timed on the GPU.
-    fused_amax: bool = False
+    # of by XLA reductions before it; the same bits either way. Default for per-token scales:
+    # it saved 2-3 us a call on the H200 (run 10: 11.2 -> 8.3 us at 16 x 2048 -> 768)
+    fused_amax: bool = True
 
 
 def quant_config(t: int, k: int) -> QuantConfig:
@@ -222,3 +223,42 @@ def quantize_activations_rac(x, *, rac_ratio: float = 0.0, rac_mode: str = "toke
 def quantize_activations(x, *, act_scale: str = "tensor", backend=None, config: QuantConfig | None = None) -> nvfp4.NVFP4Tensor:
     """x [T, K] -> NVFP4Tensor (global scale [T, 1]), identical to ``nvfp4.quantize``."""
     return quantize_activations_rac(x, act_scale=act_scale, backend=backend, config=config)[0]
+
+
+# ----------------------------------------------------------------------------- quantized rows
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedRows:
+    """Per-token quantized activations (and their RAC residual), computed once and used by
+    several GEMMs: the NVFP4 GEMMs take one in place of x. With per-token scales a row's
+    quantization does not depend on the other rows, so ``take`` (a row gather, e.g. the MoE
+    dispatch) commutes with quantization: quantize the T tokens, not their T x top-k copies."""
+
+    xq: nvfp4.NVFP4Tensor
+    rq: nvfp4.NVFP4Tensor | None
+    rac_ratio: float = dataclasses.field(metadata=dict(static=True))
+    rac_mode: str = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def shape(self):
+        return self.xq.shape
+
+    @property
+    def ndim(self):
+        return 2
+
+    def take(self, rows):
+        """The rows ``rows`` (an index array) of every operand."""
+        pick = lambda t: None if t is None else nvfp4.NVFP4Tensor(
+            codes=t.codes[rows], scales=t.scales[rows], global_scale=t.global_scale[rows], shape=(rows.shape[0], t.shape[1]), axis=1)
+        return QuantizedRows(pick(self.xq), pick(self.rq), self.rac_ratio, self.rac_mode)
+
+
+def quantize_rows(x, *, rac_ratio: float = 0.0, rac_mode: str = "token", backend=None, config: QuantConfig | None = None) -> QuantizedRows:
+    """x [T, K] -> QuantizedRows with per-token global scales (the rollout's activations)."""
+    if rac_mode != "token":
+        raise ValueError(f"rac_mode={rac_mode!r}: QuantizedRows needs the per-token selection ('token'), whose rows are independent")
+    xq, rq = quantize_activations_rac(x, rac_ratio=rac_ratio, rac_mode=rac_mode, act_scale="token", backend=backend, config=config)
+    return QuantizedRows(xq, rq, float(rac_ratio), rac_mode)

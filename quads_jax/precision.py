@@ -159,11 +159,12 @@ def _float_operands(x, w, mode: str):
 
 
 def linear(x, w, mode: str, *, dtype=jnp.bfloat16, rac_ratio: float = 0.0, backend=None):
-    """``x @ W.T`` for x [..., K] and W [N, K] (float, NVFP4Tensor or FP8Tensor)."""
+    """``x @ W.T`` for x [..., K] (or QuantizedRows [T, K]) and W [N, K] (float, NVFP4Tensor
+    or FP8Tensor)."""
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x if isinstance(x, pk.QuantizedRows) else x.reshape(-1, x.shape[-1])
     if isinstance(w, nvfp4.NVFP4Tensor):
-        y = pk.nvfp4_matmul(x2.astype(jnp.bfloat16), w, rac_ratio=rac_ratio if mode == "w4a4" else 0.0,
+        y = pk.nvfp4_matmul(_bf16(x2), w, rac_ratio=rac_ratio if mode == "w4a4" else 0.0,
                             act_scale="token", mode="w4a16" if mode == "w4a16" else "w4a4", backend=backend,
                             out_dtype=dtype)
     elif isinstance(w, fp8.FP8Tensor):
@@ -175,10 +176,30 @@ def linear(x, w, mode: str, *, dtype=jnp.bfloat16, rac_ratio: float = 0.0, backe
     return y.reshape(*lead, y.shape[-1])
 
 
+def quantize_rows_for(x, w, mode: str, *, rac_ratio: float = 0.0, backend=None):
+    """x [T, K] quantized once (``pk.QuantizedRows``) for the GEMMs with weight ``w`` (or
+    weights quantized like it) in ``mode``: what ``linear`` / ``grouped_linear`` would
+    compute, shared by several weights or gathered by rows (the MoE dispatch). Other modes
+    and weights get x back unchanged."""
+    if isinstance(w, nvfp4.NVFP4Tensor) and mode == "w4a4":
+        return pk.quantize_rows(x.astype(jnp.bfloat16), rac_ratio=rac_ratio, backend=backend)
+    return x
+
+
+def take_rows(x, rows):
+    """x[rows] for an array or QuantizedRows."""
+    return x.take(rows) if isinstance(x, pk.QuantizedRows) else x[rows]
+
+
+def _bf16(x):
+    return x if isinstance(x, pk.QuantizedRows) else x.astype(jnp.bfloat16)
+
+
 def grouped_linear(x, w, group_sizes, mode: str, *, dtype=jnp.bfloat16, rac_ratio: float = 0.0, backend=None):
-    """Per-expert ``x_e @ W_e.T`` for rows of x [M, K] sorted by expert and W [E, N, K]."""
+    """Per-expert ``x_e @ W_e.T`` for rows of x [M, K] (or QuantizedRows) sorted by expert and
+    W [E, N, K]."""
     if isinstance(w, nvfp4.NVFP4Tensor):
-        return pk.nvfp4_grouped_matmul(x.astype(jnp.bfloat16), w, group_sizes,
+        return pk.nvfp4_grouped_matmul(_bf16(x), w, group_sizes,
                                        rac_ratio=rac_ratio if mode == "w4a4" else 0.0, act_scale="token",
                                        mode="w4a16" if mode == "w4a16" else "w4a4", backend=backend, out_dtype=dtype)
     if isinstance(w, fp8.FP8Tensor):

@@ -86,5 +86,8 @@ def gemm_config(t: int, n: int, k: int, programs_per_row_tile: int = 1) -> GemmC
     split = 1
     while tiles * split < 2 * NUM_SMS and (k // bk) % (split * 2) == 0 and k // (bk * split * 2) >= 2:
         split *= 2
+    # grouped (programs_per_row_tile > 1): activation codes, 4x less to read than BF16 values
+    # for the N / block_n programs of each row tile (run 10, 64 experts, 2048 x 768, 64 tokens:
+    # 125 us against 137)
     return GemmConfig(block_m=bm, block_n=bn, block_k=bk, split_k=split, num_warps=4, num_stages=4, swap_ab=True,
-                      decode="prmt", act_load="values")
+                      decode="prmt", act_load="values" if programs_per_row_tile == 1 else "codes")

@@ -214,6 +214,34 @@ def test_block_values_kernel_bit_identical_to_the_format(rng):
         pk.nvfp4_block_values(jnp.ones((4, 16)))
 
 
+def test_quantized_rows_gathered_equal_quantizing_the_gathered_rows(rng):
+    """The MoE dispatch quantizes its N tokens once and gathers them: bit-identical to
+    quantizing the N x k sorted rows (per-token scales and selection), on both backends."""
+    from quads_jax import precision as P
+
+    n_tok, k, e, topk = 12, 128, 4, 2
+    x = jnp.asarray(heavy(rng, (n_tok, k))).astype(jnp.bfloat16)
+    w = nvfp4.quantize(jnp.asarray(rng.standard_normal((e, 64, k)).astype(np.float32)), keep_axes=(0,))
+    ids = jnp.asarray(rng.integers(0, e, (n_tok, topk)))
+    order = jnp.argsort(ids.reshape(-1), stable=True)
+    token = order // topk
+    sizes = jnp.bincount(ids.reshape(-1), length=e).astype(jnp.int32)
+    for backend in ("xla", "pallas"):
+        want = P.grouped_linear(x[token], w, sizes, "w4a4", rac_ratio=0.5, backend=backend, dtype=jnp.float32)
+        rows = P.take_rows(P.quantize_rows_for(x, w, "w4a4", rac_ratio=0.5, backend=backend), token)
+        assert isinstance(rows, pk.QuantizedRows) and rows.shape == (n_tok * topk, k)
+        got = P.grouped_linear(rows, w, sizes, "w4a4", rac_ratio=0.5, backend=backend, dtype=jnp.float32)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=backend)
+    wd = nvfp4.quantize(jnp.asarray(rng.standard_normal((32, k)).astype(np.float32)))
+    dense = pk.nvfp4_matmul(pk.quantize_rows(x, rac_ratio=0.5, backend="xla"), wd, rac_ratio=0.5, act_scale="token", backend="xla")
+    np.testing.assert_array_equal(np.asarray(dense), np.asarray(pk.nvfp4_matmul(x, wd, rac_ratio=0.5, act_scale="token", backend="xla")))
+    assert P.quantize_rows_for(x, wd, "w4a16") is x  # only W4A4 quantizes activations
+    with pytest.raises(ValueError, match="QuantizedRows"):
+        pk.nvfp4_matmul(pk.quantize_rows(x, rac_ratio=0.5, backend="xla"), wd, act_scale="token", backend="xla")  # rho differs
+    with pytest.raises(ValueError, match="rac_mode"):
+        pk.quantize_rows(x, rac_ratio=0.5, rac_mode="channel")
+
+
 def test_gemm_config_rejects_bad_values():
     with pytest.raises(ValueError, match="decode"):
         pk.GemmConfig(block_m=16, block_n=32, block_k=64, decode="lut")

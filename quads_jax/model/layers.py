@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+import pallas_kernels as pk
 from quads_jax import precision as P
 from quads_jax.model.config import ModelConfig
 
@@ -39,6 +40,14 @@ class Linear(nnx.Module):
 
     def __call__(self, x, prec: P.Precision, dtype):
         return P.linear(x, value(self.w), prec.mode(self.kind), dtype=dtype, rac_ratio=prec.rac_ratio, backend=prec.backend)
+
+
+def shared_input(x, first: Linear, prec: P.Precision):
+    """x for several linears of the same kind (q/k/v, gate/up): under an NVFP4 W4A4 rollout
+    recipe, quantized once ([T, K] QuantizedRows), otherwise x itself."""
+    xin = P.quantize_rows_for(x.reshape(-1, x.shape[-1]), value(first.w), prec.mode(first.kind), rac_ratio=prec.rac_ratio,
+                              backend=prec.backend)
+    return xin if isinstance(xin, pk.QuantizedRows) else x
 
 
 class RMSNorm(nnx.Module):
@@ -101,9 +110,10 @@ class Attention(nnx.Module):
         cfg = self.cfg
         b, t, _ = x.shape
         dt = cfg.dtype
-        q = self.q(x, prec, dt).reshape(b, t, cfg.n_heads, cfg.head_dim)
-        k = self.k(x, prec, dt).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
-        v = self.v(x, prec, dt).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
+        xin = shared_input(x, self.q, prec)  # q, k and v read the same activations
+        q = self.q(xin, prec, dt).reshape(b, t, cfg.n_heads, cfg.head_dim)
+        k = self.k(xin, prec, dt).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
+        v = self.v(xin, prec, dt).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
         q = rope(self.q_norm(q), positions, cfg.rope_theta)
         k = rope(self.k_norm(k), positions, cfg.rope_theta)
         if cache is not None:
@@ -136,5 +146,7 @@ class MLP(nnx.Module):
         self.down = Linear(f, d, kind, ("embed", "mlp"), rngs=rngs, dtype=pd, scale=(f * 2 * cfg.n_layers) ** -0.5)
 
     def __call__(self, x, prec, dtype):
-        h = jax.nn.silu(self.gate(x, prec, dtype).astype(jnp.float32)) * self.up(x, prec, dtype).astype(jnp.float32)
+        xin = shared_input(x, self.gate, prec)
+        h = jax.nn.silu(self.gate(xin, prec, dtype).astype(jnp.float32)) * self.up(xin, prec, dtype).astype(jnp.float32)
+        h = h.reshape(*x.shape[:-1], h.shape[-1])
         return self.down(h.astype(dtype), prec, dtype)

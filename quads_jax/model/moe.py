@@ -74,7 +74,10 @@ def moe_ffn(x, ids, weights, w_gate, w_up, w_down, prec, dtype):
     """Dropless MoE FFN for tokens x [N, d] with top-k ids/weights [N, k]."""
     n_experts = w_gate.shape[0]
     order, token, group_sizes = sort_by_expert(ids, n_experts)
-    ys = expert_ffn(x[token], w_gate, w_up, w_down, group_sizes, prec, dtype)
+    # NVFP4 rollouts quantize the N tokens once (per-token scales), not their N x k copies,
+    # and the gate and up GEMMs share that: the same numbers as quantizing the sorted rows
+    xin = P.quantize_rows_for(x, w_gate, prec.mode("experts"), rac_ratio=prec.rac_ratio, backend=prec.backend)
+    ys = expert_ffn(P.take_rows(xin, token), w_gate, w_up, w_down, group_sizes, prec, dtype)
     ws = weights.reshape(-1)[order]
     out = jnp.zeros((x.shape[0], ys.shape[-1]), jnp.float32).at[token].add(ys.astype(jnp.float32) * ws[:, None])
     return out.astype(dtype)
