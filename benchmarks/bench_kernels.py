@@ -28,6 +28,7 @@ import glob
 import importlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -608,39 +609,74 @@ def torch_baselines():
 
 @section("sass")
 def sass(out_dir):
-    """Compile the Pallas GEMM (default, swap_ab, swap_ab + prmt; in that order) with XLA dumps
-    on, assemble its PTX and count MMA instructions."""
-    dump = os.path.join("/tmp", "quads_dump")
+    """Tensor-core MMA instructions in the SASS of the Pallas GEMM (default config, unswapped,
+    bits decode) as XLA compiled it, and of the SGLang plugin's Triton GEMM. (Run 9: an XLA
+    dump holds no PTX for Pallas kernels, so the cubins come from the compilation cache.)"""
     code = (
         "import jax, jax.numpy as jnp, numpy as np\n"
         "from quads_jax import nvfp4 as F\nfrom pallas_kernels import nvfp4_matmul\n"
         "x=jnp.ones((16,2048),jnp.bfloat16); w=F.quantize(jnp.asarray(np.random.randn(768,2048).astype(np.float32)))\n"
         "import dataclasses as dc\nfrom pallas_kernels import gemm_config\nb=gemm_config(16,768,2048)\n"
-        "for c in (b, dc.replace(b, swap_ab=True), dc.replace(b, swap_ab=True, decode='prmt')):\n"
+        "for c in (b, dc.replace(b, swap_ab=False), dc.replace(b, decode='bits')):\n"
         "    jax.block_until_ready(nvfp4_matmul(x,w,rac_ratio=0.5,backend='pallas',config=c))\n"
     )
-    # run 9 found no .ptx with --xla_dump_to alone: ask for text and LLVM IR dumps too, and
-    # record what the dump holds
-    env = dict(os.environ, XLA_FLAGS=f"--xla_dump_to={dump} --xla_dump_hlo_as_text --xla_gpu_dump_llvmir")
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    files = sorted(glob.glob(f"{dump}/**/*", recursive=True))
-    ptx = [f for f in files if f.endswith(".ptx")]
-    res = {"ptx_files": len(ptx), "rc": r.returncode, "stderr_tail": r.stderr[-400:],
-           "dump_suffixes": sorted({os.path.basename(f).split(".")[-1] for f in files})[:40],
-           "triton_plugin": triton_plugin_sass()}
-    for p in ptx:
-        txt = open(p).read()
-        if "nvfp4_matmul" not in txt and "mma" not in txt:
+    return {"pallas": pallas_sass_from_cache(code), "triton_plugin": triton_plugin_sass()}
+
+
+def elf_blobs(data: bytes):
+    """The ELF images (cubins) embedded in a byte string: header to the end of the section table."""
+    import struct
+
+    out, i = [], data.find(b"\x7fELF")
+    while i >= 0:
+        if data[i + 4] == 2 and i + 64 <= len(data):  # ELFCLASS64
+            shoff, = struct.unpack_from("<Q", data, i + 0x28)
+            shentsize, shnum = struct.unpack_from("<HH", data, i + 0x3A)
+            end = i + shoff + shentsize * shnum
+            if shoff and end <= len(data):
+                out.append(data[i:end])
+        i = data.find(b"\x7fELF", i + 4)
+    return out
+
+
+def _unpack_cache_entry(raw: bytes) -> bytes:
+    for mod, fn in (("zstandard", lambda m: m.ZstdDecompressor().decompress(raw, max_output_size=1 << 30)),
+                    ("zlib", lambda m: m.decompress(raw))):
+        try:
+            return fn(importlib.import_module(mod))
+        except Exception:
             continue
-        res[os.path.basename(p)] = {"ptx_mma_sync": txt.count("mma.sync"), "ptx_wgmma": txt.count("wgmma")}
-        cubin = p + ".cubin"
-        r = subprocess.run(["ptxas", "-arch=sm_90a", p, "-o", cubin], capture_output=True, text=True)
-        if r.returncode == 0:
-            s = subprocess.run(["cuobjdump", "-sass", cubin], capture_output=True, text=True).stdout
-            res[os.path.basename(p)].update({"sass_HMMA": s.count("HMMA"), "sass_HGMMA": s.count("HGMMA"), "sass_FFMA": s.count("FFMA")})
-        else:
-            res[os.path.basename(p)]["ptxas_error"] = r.stderr[:300]
+    return raw
+
+
+def pallas_sass_from_cache(code):
+    """SASS of the Pallas kernels as XLA compiled them: run ``code`` with the persistent
+    compilation cache on, take the cubins out of the cached executables, and disassemble
+    them (cuobjdump from the CUDA toolkit or Triton's copy). Counts tensor-core MMAs per kernel."""
+    cache = "/tmp/quads_jax_cache"
+    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=cache, JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    tool = shutil.which("cuobjdump")
+    if tool is None:
+        try:
+            import triton
+            tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+        except Exception:
+            pass
+    entries = [f for f in glob.glob(f"{cache}/**/*", recursive=True) if os.path.isfile(f)]
+    res = {"rc": r.returncode, "cache_entries": len(entries), "cuobjdump": tool, "kernels": {}}
+    for n, f in enumerate(entries):
+        for j, blob in enumerate(elf_blobs(_unpack_cache_entry(open(f, "rb").read()))):
+            path = f"/tmp/quads_cubin_{n}_{j}.cubin"
+            open(path, "wb").write(blob)
+            out = subprocess.run([tool, "-sass", path], capture_output=True, text=True).stdout if tool else ""
+            for chunk in out.split("Function : ")[1:]:
+                name = chunk.split()[0][:80]
+                if "nvfp4" in name or "HMMA" in chunk or "HGMMA" in chunk:
+                    res["kernels"][name] = {"HGMMA": chunk.count("HGMMA"), "HMMA": chunk.count("HMMA"), "FFMA": chunk.count("FFMA")}
     return res
+
 
 def triton_plugin_sass():
     """MMA instruction counts in the SASS of the SGLang plugin's Triton GEMM (torch launch)."""

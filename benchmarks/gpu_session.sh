@@ -40,7 +40,7 @@ run_stage() {
     triton) stage 60 triton python3 $BK --out "$o/triton" --only triton ;;
     swap) stage 100 swap python3 $BK --out "$o/swap" --only swap ;;
     prefill) stage 45 prefill python3 $BK --out "$o/prefill" --only prefill --quick ;;
-    sass) stage 35 sass python3 $BK --out "$o/sass" --only sass ;;
+    sass) stage 60 sass python3 $BK --out "$o/sass" --only sass ;;
     decode) stage 60 decode python3 $BK --out "$o/decode" --only ceilings,decode --quick ;;
     grouped) stage 100 grouped python3 $BK --out "$o/grouped" --only grouped ;;
     train) stage 90 train python3 benchmarks/bench_model.py --out "$o/train" --skip-rollout --batch 1 ;;
