@@ -1,6 +1,7 @@
 """NVFP4 W4A4 GEMM with fused residual activation compensation (RAC), for Hopper.
 
     out = gw * (gx * (Xq @ Wq.T) + gr * (Rq @ Wq.T))          (FP32 accumulation)
+        = gw * gx * (Xq @ Wq.T + (Rq / 4) @ Wq.T)           (gr = gx / 4, one accumulator)
 
 where Xq, Rq, Wq are the NVFP4 block values (E2M1 code times its E4M3 block scale, exact
 in BF16) of the activations, the selected activation residual and the weight, and gx, gr,
@@ -50,25 +51,27 @@ def _dot_nt(a, b):
 
 
 def gemm_tile_loop(*, k_start, steps, cfg, load_a, load_r, load_w, interpret):
-    """The shared main loop: accumulates A @ W.T (and R @ W.T) over ``steps`` K-tiles."""
+    """The shared main loop: accumulates A @ W.T + R' @ W.T over ``steps`` K-tiles into one
+    FP32 accumulator, where R' = R * RESIDUAL_SCALE_FACTOR (the loaders deliver it scaled:
+    a power of two, exact in BF16). The residual's global scale is gx times that factor, so
+    gx * (A @ W.T) + gr * (R @ W.T) = gx * (A @ W.T + R' @ W.T): RAC adds MMAs, not a second
+    accumulator (half the registers a separate one would hold)."""
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     # swap_ab: accumulate the transposed tile W @ A.T ([bn, bm]) and transpose it once at the end
     pair = (lambda a, w: _dot_nt(w, a)) if cfg.swap_ab else _dot_nt
 
-    def body(i, accs):
+    def body(i, acc):
         k0 = k_start + i * bk
         w_lo, w_hi = load_w(k0)
         a_lo, a_hi = load_a(k0)
-        acc = accs[0] + pair(a_lo, w_lo) + pair(a_hi, w_hi)
-        if load_r is None:
-            return (acc,)
-        r_lo, r_hi = load_r(k0)
-        return (acc, accs[1] + pair(r_lo, w_lo) + pair(r_hi, w_hi))
+        acc = acc + pair(a_lo, w_lo) + pair(a_hi, w_hi)
+        if load_r is not None:
+            r_lo, r_hi = load_r(k0)
+            acc = acc + pair(r_lo, w_lo) + pair(r_hi, w_hi)
+        return acc
 
-    zeros = jnp.zeros((bn, bm) if cfg.swap_ab else (bm, bn), jnp.float32)
-    init = (zeros,) if load_r is None else (zeros, zeros)
-    accs = jax.lax.fori_loop(0, steps, body, init)
-    return tuple(a.T for a in accs) if cfg.swap_ab else accs
+    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((bn, bm) if cfg.swap_ab else (bm, bn), jnp.float32))
+    return acc.T if cfg.swap_ab else acc
 
 
 def make_loaders(*, a_refs, r_refs, w_refs, row_sl, row_ok, col_sl, col_ok, cfg, interpret, w_index=()):
@@ -87,13 +90,17 @@ def make_loaders(*, a_refs, r_refs, w_refs, row_sl, row_ok, col_sl, col_ok, cfg,
             ws = plgpu.load(ws_ref.at[(*w_index, col_sl, pl.ds(k0 // 16, bk // 16))], mask=col_ok, other=0)
         return decode_tile(wc, ws, bn, bk, cfg.decode, interpret)
 
-    def load_codes(refs):
+    def load_codes(refs, factor=None):
         c_ref, s_ref = refs
 
         def load(k0):
             c = plgpu.load(c_ref.at[row_sl, pl.ds(k0 // 2, bk // 2)], mask=row_ok, other=0)
             s = plgpu.load(s_ref.at[row_sl, pl.ds(k0 // 16, bk // 16)], mask=row_ok, other=0)
-            return decode_tile(c, s, bm, bk, cfg.decode, interpret)
+            lo, hi = decode_tile(c, s, bm, bk, cfg.decode, interpret)
+            if factor is None:
+                return lo, hi
+            f = jnp.asarray(factor, jnp.bfloat16)  # a power of two: exact
+            return lo * f, hi * f
 
         return load
 
@@ -104,8 +111,10 @@ def make_loaders(*, a_refs, r_refs, w_refs, row_sl, row_ok, col_sl, col_ok, cfg,
 
         return load
 
-    load_act = lambda refs: load_values(refs[0]) if len(refs) == 1 else load_codes(refs)
-    return load_act(a_refs), (load_act(r_refs) if r_refs else None), load_w
+    # residual values enter scaled by RESIDUAL_SCALE_FACTOR (see gemm_tile_loop); as BF16
+    # values they come scaled already (activation_operands)
+    load_act = lambda refs, factor=None: load_values(refs[0]) if len(refs) == 1 else load_codes(refs, factor)
+    return load_act(a_refs), (load_act(r_refs, rac.RESIDUAL_SCALE_FACTOR) if r_refs else None), load_w
 
 
 def pop_operand_refs(refs, na, has_gx, nr):
@@ -126,7 +135,8 @@ def activation_operands(x, xq, rq, cfg):
         return (x,), None, None
     if cfg.act_load == "values":
         a = (nvfp4.block_values(xq, jnp.bfloat16),)
-        r = None if rq is None else (nvfp4.block_values(rq, jnp.bfloat16),)
+        # scaled by the residual's global-scale factor (a power of two: exact), see gemm_tile_loop
+        r = None if rq is None else (nvfp4.block_values(rq, jnp.bfloat16) * jnp.bfloat16(rac.RESIDUAL_SCALE_FACTOR),)
     else:
         a = (xq.codes, _bits(xq.scales))
         r = None if rq is None else (rq.codes, _bits(rq.scales))
@@ -148,8 +158,8 @@ def _gemm_kernel(*refs, t, n, k, cfg, na, has_gx, nr, interpret):
         col_sl=col_sl, col_ok=col_ok, cfg=cfg, interpret=interpret,
     )
     steps = k // (cfg.block_k * cfg.split_k)
-    accs = gemm_tile_loop(k_start=sk * steps * cfg.block_k, steps=steps, cfg=cfg, load_a=load_a, load_r=load_r, load_w=load_w, interpret=interpret)
-    out = epilogue(accs, gx_ref, row_sl, row_ok, gw_ref[0])
+    acc = gemm_tile_loop(k_start=sk * steps * cfg.block_k, steps=steps, cfg=cfg, load_a=load_a, load_r=load_r, load_w=load_w, interpret=interpret)
+    out = epilogue(acc, gx_ref, row_sl, row_ok, gw_ref[0])
     out_mask = row_ok & (jn * bn + jnp.arange(bn) < n)[None, :]
     if cfg.split_k == 1:
         plgpu.store(out_ref.at[row_sl, col_sl], out.astype(out_ref.dtype), mask=out_mask)
@@ -157,14 +167,12 @@ def _gemm_kernel(*refs, t, n, k, cfg, na, has_gx, nr, interpret):
         plgpu.store(out_ref.at[sk, row_sl, col_sl], out, mask=out_mask)
 
 
-def epilogue(accs, gx_ref, row_sl, row_ok, gw):
+def epilogue(acc, gx_ref, row_sl, row_ok, gw):
+    """gw * gx * acc (w4a16: gw * acc); the residual's scale is folded into acc already."""
     if gx_ref is None:  # w4a16
-        return accs[0] * gw
+        return acc * gw
     gx = plgpu.load(gx_ref.at[row_sl, :], mask=row_ok, other=0.0)  # [bm, 1]
-    out = accs[0] * gx
-    if len(accs) == 2:
-        out = out + accs[1] * (gx * rac.RESIDUAL_SCALE_FACTOR)
-    return out * gw
+    return acc * gx * gw
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "out_dtype", "interpret", "n"))

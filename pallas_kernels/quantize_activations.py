@@ -9,8 +9,9 @@ launch after a tiny amax reduction.
 Kernel layout: one program per ``block_rows`` tokens; the row is walked in chunks of
 ``chunk`` channels (a power of two dividing K). Each chunk is loaded as its even and odd
 channels (stride-2 loads), which are exactly the low and high nibbles of the packed codes,
-so packing needs no interleave. The in-kernel top fraction is a 31-step bisection on the
-bit patterns of the (non-negative) block energies, which finds the n-th largest exactly.
+so packing needs no interleave. The in-kernel top fraction is exact: an all-pairs rank
+count of the block energies for rows of up to RANK_MAX_BLOCKS blocks, a 31-step bisection
+on their bit patterns for longer rows (``_top_blocks``).
 """
 
 from __future__ import annotations
@@ -75,6 +76,46 @@ def _row_global_scale(x_ref, row_sl, row_ok, k, c, arith, interpret):
     return jnp.where(gs == 0, 1.0, gs)
 
 
+RANK_MAX_BLOCKS = 256  # rows of up to this many 16-blocks select by rank, longer ones by bisection
+
+
+def _top_blocks(energies, n_sel, rows):
+    """Per row, the blocks whose energy is >= the n_sel-th largest (``rac.selection_mask``),
+    for energies given chunk by chunk ([rows, blocks] each): a list of boolean masks.
+
+    Energies are non-negative, so their int32 bit patterns order as the values do. A block
+    is selected iff fewer than n_sel blocks of its row are strictly larger (the same set as
+    ``>=`` the n-th largest, ties included): up to RANK_MAX_BLOCKS blocks a row this is one
+    all-pairs count (one reduction); longer rows find the n-th largest bit pattern by a
+    31-step bisection on counts instead of the quadratic compare."""
+    ebits = [jax.lax.bitcast_convert_type(e, jnp.int32) for e in energies]
+    if sum(e.shape[1] for e in ebits) <= RANK_MAX_BLOCKS:
+        out = []
+        for ei in ebits:
+            larger = jnp.zeros(ei.shape, jnp.int32)
+            for ej in ebits:
+                larger += jnp.sum((ej[:, None, :] > ei[:, :, None]).astype(jnp.int32), axis=2)
+            out.append(larger < n_sel)
+        return out
+
+    def count_ge(th):
+        tot = jnp.zeros((rows, 1), jnp.int32)
+        for eb in ebits:
+            tot += jnp.sum((eb >= th).astype(jnp.int32), axis=1, keepdims=True)
+        return tot
+
+    def step(_, lohi):
+        lo, hi = lohi
+        mid = lo + ((hi - lo) >> 1)
+        ok = count_ge(mid) >= n_sel
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+
+    lo0 = jnp.zeros((rows, 1), jnp.int32)
+    hi0 = jnp.full((rows, 1), 0x7F800001, jnp.int32)
+    tau, _ = jax.lax.fori_loop(0, 31, step, (lo0, hi0))
+    return [eb >= tau for eb in ebits]
+
+
 def _quant_kernel(*refs, t, k, cfg, n_sel, use_mask, arith, interpret):
     refs = list(refs)
     x_ref = refs.pop(0)
@@ -111,26 +152,7 @@ def _quant_kernel(*refs, t, k, cfg, n_sel, use_mask, arith, interpret):
             pending.append((re, ro, energy))
     if not rac_on:
         return
-    if use_mask:
-        tau = None
-    else:
-        ebits = [jax.lax.bitcast_convert_type(e, jnp.int32) for _, _, e in pending]
-
-        def count_ge(th):
-            tot = jnp.zeros((bm, 1), jnp.int32)
-            for eb in ebits:
-                tot += jnp.sum((eb >= th).astype(jnp.int32), axis=1, keepdims=True)
-            return tot
-
-        def step(_, lohi):
-            lo, hi = lohi
-            mid = lo + ((hi - lo) >> 1)
-            ok = count_ge(mid) >= n_sel
-            return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
-
-        lo0 = jnp.zeros((bm, 1), jnp.int32)
-        hi0 = jnp.full((bm, 1), 0x7F800001, jnp.int32)
-        tau, _ = jax.lax.fori_loop(0, 31, step, (lo0, hi0))
+    selected = None if use_mask else _top_blocks([e for _, _, e in pending], n_sel, bm)
     gr = gx * rac.RESIDUAL_SCALE_FACTOR
     for j, (re, ro, energy) in enumerate(pending):
         if use_mask:
@@ -138,8 +160,7 @@ def _quant_kernel(*refs, t, k, cfg, n_sel, use_mask, arith, interpret):
             me = _split_blocks(me, bm, c) != 0
             mo = _split_blocks(mo, bm, c) != 0
         else:
-            sel = (jax.lax.bitcast_convert_type(energy, jnp.int32) >= tau)[:, :, None]
-            me = mo = sel
+            me = mo = selected[j][:, :, None]
         re = jnp.where(me, re, 0.0)
         ro = jnp.where(mo, ro, 0.0)
         amax = jnp.maximum(jnp.abs(re).max(-1), jnp.abs(ro).max(-1))

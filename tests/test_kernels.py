@@ -269,3 +269,24 @@ def test_quantizer_fused_amax_equals_xla(rng, rho):
     # a per-tensor scale needs the whole tensor first: the option falls back to the XLA amax
     xt = pk.quantize_activations(x, act_scale="tensor", backend="pallas", config=cfg)
     np.testing.assert_array_equal(np.asarray(xt.codes), np.asarray(pk.quantize_activations(x, act_scale="tensor", backend="xla").codes))
+
+
+@pytest.mark.parametrize("rank_max", [0, 256])  # 0: every row by bisection; 256: by rank count
+def test_rac_selection_rank_and_bisection_equal_xla_with_ties(rng, rank_max, monkeypatch):
+    import sys
+
+    monkeypatch.setattr(sys.modules["pallas_kernels.quantize_activations"], "RANK_MAX_BLOCKS", rank_max)
+    x = heavy(rng, (9, 512))
+    blocks = x.reshape(9, 32, 16)
+    blocks[1] = blocks[1, :1]  # every block of token 1 equal: all tie, all selected
+    blocks[2, 8:16] = blocks[2, 0]  # a tie across the selection boundary
+    x = jnp.asarray(blocks.reshape(9, 512)).astype(jnp.bfloat16)
+    cfg = pk.QuantConfig(chunk=128)  # four chunks a row: the counts span chunks
+    for rho in (0.125, 0.5):
+        xa, ra = pk.quantize_activations_rac(x, rac_ratio=rho, act_scale="token", backend="xla")
+        xb, rb = pk.quantize_activations_rac(x, rac_ratio=rho, act_scale="token", backend="pallas", config=cfg)
+        np.testing.assert_array_equal(np.asarray(ra.codes), np.asarray(rb.codes))
+        np.testing.assert_array_equal(np.asarray(ra.scales).view(np.uint8), np.asarray(rb.scales).view(np.uint8))
+        codes = np.asarray(rb.codes).reshape(9, 32, 8)
+        assert (codes[1] != 0).any(axis=1).all()  # all tie: every block selected (more than the fraction)
+        assert (codes[0] != 0).any(axis=1).sum() == rac.num_selected(rho, 32)  # no ties: exactly the fraction
