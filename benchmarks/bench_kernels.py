@@ -502,7 +502,7 @@ def sweep(measure, copy_tbps=None, shapes=((16, 4096, 14336), (64, 2048, 768)), 
                 for name, res, want in (("rho0", None, ref0), ("rho0.5", rq, ref))[: 2 if i < 9 else 1]:
                     def call(xq, res, wc, ws, cfg=cfg):  # timed with the activation operands' preparation
                         a, gx, r = NM.activation_operands(x, xq, res, cfg)
-                        return NM._gemm_call(a, gx, r, wc, ws, gw, n=n, cfg=cfg, out_dtype=jnp.float32, interpret=interp)
+                        return NM._gemm_call(a, gx, r, (wc,), (ws,), (gw,), cfg=cfg, out_dtype=jnp.float32, interpret=interp)[0]
                     got = np.asarray(call(xq, res, w.codes, NM._bits(w.scales)))
                     row[name + "_rel_vs_xla"] = float(np.linalg.norm(got - want) / np.linalg.norm(want))
                     row[name + "_us"] = measure(call, xq, res, w.codes, NM._bits(w.scales))
@@ -539,7 +539,7 @@ def triton_parity(measure):
             gw = jnp.reshape(jnp.asarray(w.global_scale, jnp.float32), (1,))
             cfg = NM.gemm_config(t, n, k)
             rr = None if rq is None else (rq.codes, NM._bits(rq.scales))
-            pallas = lambda xq, rq: NM._gemm_call(*NM.activation_operands(x, xq, rq, cfg), w.codes, NM._bits(w.scales), gw, n=n, cfg=cfg, out_dtype=jnp.float32, interpret=False)
+            pallas = lambda xq, rq: NM._gemm_call(*NM.activation_operands(x, xq, rq, cfg), (w.codes,), (NM._bits(w.scales),), (gw,), cfg=cfg, out_dtype=jnp.float32, interpret=False)[0]
             jt = lambda xq, rq: triton_nvfp4_matmul(xq, rq, w, out_dtype=jnp.float32)
             p_out = np.asarray(pallas(xq, rq))
             j_out = np.asarray(jt(xq, rq))

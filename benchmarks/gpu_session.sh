@@ -9,6 +9,7 @@
 #   sass          tensor-core MMA instructions in the Pallas GEMM variants (#8)
 #   decode        decode GEMMs vs BF16/FP8 dots (#8);  grouped: MoE grouped GEMM vs ragged_dot (#8)
 #   train         nvfp4_w QAT overhead against BF16 (#4)
+#   fused_check   the one-launch GEMMs over weights sharing an input, against XLA (gates the rollout's use)
 #   rollout       output tok/s, 256 prompts x 512 new tokens, batch 64 (#5)
 #   ncu           Nsight Compute on the NVFP4 kernels at decode shapes (benchmarks/ncu_probe.py):
 #                 registers, occupancy, DRAM throughput, warp stalls, and their SASS (#8)
@@ -21,7 +22,7 @@ o="${OUT:-runs/gpu}"
 mkdir -p "$o"
 export PYTHONUNBUFFERED=1 PYTHONPATH=.:/tmp/site:${PYTHONPATH:-} TRITON_HOME=/tmp/triton_home TRITON_CACHE_DIR=/tmp/triton_cache
 mkdir -p "$TRITON_HOME" "$TRITON_CACHE_DIR"
-ALL="triton_smoke rollout ncu decode grouped sass prefill triton swap train"
+ALL="triton_smoke fused_check rollout ncu decode grouped sass prefill triton swap train"
 STAGES="${STAGES:-$ALL}"  # run in the order given
 RECIPES="${RECIPES:-quads,fp8,nvfp4,bf16}"
 DEADLINE="${DEADLINE:-575}"  # seconds from the start: no stage runs past it, so every log gets saved
@@ -46,6 +47,12 @@ run_stage() {
     decode) stage 60 decode python3 $BK --out "$o/decode" --only ceilings,decode --quick ;;
     grouped) stage 100 grouped python3 $BK --out "$o/grouped" --only grouped ;;
     train) stage 90 train python3 benchmarks/bench_model.py --out "$o/train" --skip-rollout --batch 1 ;;
+    fused_check)  # the one-launch GEMMs over several weights; if they fail, later stages launch one by one
+      echo "== fused_check"
+      if ! timeout 90 python3 benchmarks/fused_check.py > "$o/fused_check.log" 2>&1; then
+        export QUADS_FUSE_SHARED_INPUT=0; echo "   failed: QUADS_FUSE_SHARED_INPUT=0 from here on"; fi
+      grep -E "worst|Error" "$o/fused_check.log" | tail -3 | cut -c1-400
+      (cd "$o" && tar -rf results.tar fused_check.log && rm -f fused_check.log) ;;
     ncu) stage "${NCU_CAP:-120}" ncu bash benchmarks/ncu_stage.sh "$o/ncu" ;;
     rollout) stage "${ROLLOUT_CAP:-250}" rollout python3 benchmarks/bench_model.py --skip-train --out "$o/rollout" --prompts 256 \
                --new-tokens 512 --decode-batch 64 --recipes "$RECIPES" --backends pallas ;;

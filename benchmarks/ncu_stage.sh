@@ -6,6 +6,7 @@ set -uo pipefail
 d="$1"; mkdir -p "$d"
 NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
 [ -z "$NCU" ] && { echo "no ncu"; exit 1; }
+export XLA_PYTHON_CLIENT_PREALLOCATE=false  # ncu saves and restores device memory around each replay
 export XLA_FLAGS="--xla_gpu_enable_command_buffer= ${XLA_FLAGS:-}"  # plain launches, no CUDA graphs
 "$NCU" --target-processes all --kernel-name regex:nvfp4 --launch-count 12 \
   --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats \

@@ -28,12 +28,15 @@ from pallas_kernels.nvfp4_matmul import (
     _bits,
     _check_args,
     activation_operands,
+    as_weights,
     epilogue,
     gemm_config,
     gemm_tile_loop,
     make_loaders,
     pop_operand_refs,
     quantized_operands,
+    for_each_weight,
+    split_weight_refs,
 )
 
 
@@ -67,19 +70,20 @@ def work_items(group_sizes, m: int, block_m: int):
     return jnp.stack([ex, start, end], axis=1).astype(jnp.int32), cap
 
 
-def _grouped_kernel(items_ref, *refs, m, n, k, cfg, na, has_gx, nr, interpret):
-    a_refs, gx_ref, r_refs, (wc_ref, ws_ref, gw_ref, out_ref) = pop_operand_refs(refs, na, has_gx, nr)
+def _grouped_kernel(items_ref, *refs, ns, k, cfg, na, has_gx, nr, interpret):
+    a_refs, gx_ref, r_refs, rest = pop_operand_refs(refs, na, has_gx, nr)
+    w_refs, out_refs = split_weight_refs(rest, len(ns))
     bm, bn = cfg.block_m, cfg.block_n
-    it, jn, sk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    it, jn_all, sk = pl.program_id(0), pl.program_id(1), pl.program_id(2)  # read outside conditionals (interpret mode)
     ex = items_ref[it, 0]
     start = items_ref[it, 1]
     end = items_ref[it, 2]
+    rows = start + jnp.arange(bm)
+    row_ok = (rows < end)[:, None]
+    row_sl = pl.ds(start, bm)
 
-    @pl.when(end > start)
-    def _():
-        rows = start + jnp.arange(bm)
-        row_ok = (rows < end)[:, None]
-        row_sl = pl.ds(start, bm)
+    def tile(i, jn):
+        (wc_ref, ws_ref, gw_ref), out_ref, n = w_refs[i], out_refs[i], ns[i]
         col_sl = pl.ds(jn * bn, bn)
         col_ok = (jn * bn + jnp.arange(bn) < n)[:, None]
         load_a, load_r, load_w = make_loaders(
@@ -95,39 +99,46 @@ def _grouped_kernel(items_ref, *refs, m, n, k, cfg, na, has_gx, nr, interpret):
         else:
             plgpu.store(out_ref.at[sk, row_sl, col_sl], out, mask=out_mask)
 
+    @pl.when(end > start)
+    def _():
+        for_each_weight(jn_all, ns, bn, tile)
 
-@functools.partial(jax.jit, static_argnames=("cfg", "out_dtype", "interpret", "n"))
-def _grouped_call(a, gx, r, wc, ws, gw, group_sizes, *, n, cfg, out_dtype, interpret):
+
+@functools.partial(jax.jit, static_argnames=("cfg", "out_dtype", "interpret"))
+def _grouped_call(a, gx, r, wc, ws, gw, group_sizes, *, cfg, out_dtype, interpret):
+    """One launch for the expert weights (tuples ``wc``, ``ws``, ``gw``, one entry a weight
+    [E, N_i, K]) that share the rows: a tuple of [M, N_i] outputs."""
     m_real = a[0].shape[0]
-    k = wc.shape[-1] * 2
+    k = wc[0].shape[-1] * 2
+    ns = tuple(c.shape[1] for c in wc)
     items, cap = work_items(group_sizes, m_real, cfg.block_m)
     rac_on = r is not None
     if interpret:  # interpret mode clamps out-of-range slices instead of masking them
         m_pad = m_real + cfg.block_m
-        n_pad = pl.cdiv(n, cfg.block_n) * cfg.block_n
         a, r = [pad_axis(v, 0, m_pad) for v in a], r and [pad_axis(v, 0, m_pad) for v in r]
         gx = None if gx is None else pad_axis(gx, 0, m_pad)
-        wc, ws = pad_axis(wc, 1, n_pad), pad_axis(ws, 1, n_pad)
+        pad_n = lambda v: pad_axis(v, 1, pl.cdiv(v.shape[1], cfg.block_n) * cfg.block_n)
+        wc, ws = tuple(map(pad_n, wc)), tuple(map(pad_n, ws))
     m = a[0].shape[0]
-    args = [items] + list(a) + ([] if gx is None else [gx]) + (list(r) if rac_on else []) + [wc, ws, gw]
-    shape = (m, n) if cfg.split_k == 1 else (cfg.split_k, m, n)
-    out_shape = jax.ShapeDtypeStruct(shape, out_dtype if cfg.split_k == 1 else jnp.float32)
-    kernel = functools.partial(_grouped_kernel, m=m, n=n, k=k, cfg=cfg, na=len(a), has_gx=gx is not None,
+    args = [items] + list(a) + ([] if gx is None else [gx]) + (list(r) if rac_on else [])
+    for triple in zip(wc, ws, gw):
+        args += list(triple)
+    out_shape = [jax.ShapeDtypeStruct((m, n) if cfg.split_k == 1 else (cfg.split_k, m, n), out_dtype if cfg.split_k == 1 else jnp.float32)
+                 for n in ns]
+    kernel = functools.partial(_grouped_kernel, ns=ns, k=k, cfg=cfg, na=len(a), has_gx=gx is not None,
                                nr=len(r) if rac_on else 0, interpret=interpret)
-    out = pl.pallas_call(
+    outs = pl.pallas_call(
         kernel,
         out_shape=out_shape,
-        grid=(cap, pl.cdiv(n, cfg.block_n), cfg.split_k),
+        grid=(cap, sum(pl.cdiv(n, cfg.block_n) for n in ns), cfg.split_k),
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
         name="nvfp4_grouped_matmul",
     )(*args)
-    if cfg.split_k > 1:
-        out = out.sum(0).astype(out_dtype)
-    out = out[:m_real, :n]
     # rows past sum(group_sizes) are never written: define them as zero
-    valid = jnp.arange(m_real) < jnp.sum(group_sizes)
-    return jnp.where(valid[:, None], out, jnp.zeros((), out.dtype))
+    valid = (jnp.arange(m_real) < jnp.sum(group_sizes))[:, None]
+    fix = lambda o, n: jnp.where(valid, (o if cfg.split_k == 1 else o.sum(0).astype(out_dtype))[:m_real, :n], jnp.zeros((), out_dtype))
+    return tuple(fix(o, n) for o, n in zip(outs, ns))
 
 
 def _per_expert_gw(w):
@@ -137,39 +148,54 @@ def _per_expert_gw(w):
 
 def nvfp4_grouped_matmul_xla(x, w, group_sizes, *, rac_ratio=0.0, rac_mode="token", act_scale="tensor", mode="w4a4", out_dtype=jnp.bfloat16):
     """The XLA reference: ``lax.ragged_dot`` over the same BF16 block values."""
-    _check_args(x, w, mode, rac_ratio, rac_mode, ndim=3)
+    ws, many = as_weights(w)
+    for wi in ws:
+        _check_args(x, wi, mode, rac_ratio, rac_mode, ndim=3)
     m = x.shape[0]
-    group_sizes = check_group_sizes(group_sizes, m, w.shape[0])
-    wv = jnp.swapaxes(nvfp4.block_values(w, jnp.bfloat16), 1, 2)  # [E, K, N]
-    dot = lambda a: jax.lax.ragged_dot(a, wv, group_sizes, preferred_element_type=jnp.float32)
+    group_sizes = check_group_sizes(group_sizes, m, ws[0].shape[0])
     ex = expert_of_rows(group_sizes, m)
-    gw = jnp.concatenate([_per_expert_gw(w), jnp.zeros((1,), jnp.float32)])[ex][:, None]
-    if mode == "w4a16":
-        out = dot(x.astype(jnp.bfloat16)) * gw
-    else:
+    if mode != "w4a16":
         xq, rq = quantized_operands(x, mode=mode, rac_ratio=rac_ratio, rac_mode=rac_mode, act_scale=act_scale, backend="xla")
+
+    def one(wi):
+        wv = jnp.swapaxes(nvfp4.block_values(wi, jnp.bfloat16), 1, 2)  # [E, K, N]
+        dot = lambda a: jax.lax.ragged_dot(a, wv, group_sizes, preferred_element_type=jnp.float32)
+        gw = jnp.concatenate([_per_expert_gw(wi), jnp.zeros((1,), jnp.float32)])[ex][:, None]
+        if mode == "w4a16":
+            return (dot(x.astype(jnp.bfloat16)) * gw).astype(out_dtype)
         out = dot(nvfp4.block_values(xq)) * xq.global_scale
         if rq is not None:
             out = out + dot(nvfp4.block_values(rq)) * rq.global_scale
-        out = out * gw
-    return out.astype(out_dtype)
+        return (out * gw).astype(out_dtype)
+
+    outs = tuple(one(wi) for wi in ws)
+    return outs if many else outs[0]
 
 
 def nvfp4_grouped_matmul(x, w, group_sizes, *, rac_ratio=0.0, rac_mode="token", act_scale="tensor", mode="w4a4", backend=None, out_dtype=jnp.bfloat16, config: GemmConfig | None = None):
-    """Per-expert x_e @ W_e.T for rows sorted by expert; see the module docstring."""
+    """Per-expert x_e @ W_e.T for rows sorted by expert; see the module docstring. ``w`` may be
+    a sequence of expert weights with the same E and K (gate and up): one launch, a tuple of
+    outputs."""
     if _backend.resolve(backend) == "xla":
         return nvfp4_grouped_matmul_xla(x, w, group_sizes, rac_ratio=rac_ratio, rac_mode=rac_mode, act_scale=act_scale, mode=mode, out_dtype=out_dtype)
-    _check_args(x, w, mode, rac_ratio, rac_mode, ndim=3)
+    ws, many = as_weights(w)
+    for wi in ws:
+        _check_args(x, wi, mode, rac_ratio, rac_mode, ndim=3)
     m, k = x.shape
-    e, n, _ = w.shape
+    e = ws[0].shape[0]
+    if any(wi.shape[0] != e for wi in ws):
+        raise ValueError(f"w: the weights of one grouped launch need the same expert count, got {[wi.shape for wi in ws]}")
     group_sizes = check_group_sizes(group_sizes, m, e)
     if k % 32:
         raise ValueError(f"x: the Pallas GEMM needs K % 32 == 0 (got K={k}); use backend='xla'")
     # tiles sized for the rows an expert gets on average (decode: a few), not for all rows
-    cfg = config or gemm_config(-(-m // e), n, k, programs_per_row_tile=e)
+    cfg = config or gemm_config(-(-m // e), sum(wi.shape[1] for wi in ws), k, programs_per_row_tile=e)
     if cfg.path != "fused":
         raise ValueError(f"config: GemmConfig.path={cfg.path!r} is for the dense GEMM; the grouped GEMM is fused only "
                          "(backend='xla' runs lax.ragged_dot on the decoded values)")
     xq, rq = quantized_operands(x, mode=mode, rac_ratio=rac_ratio, rac_mode=rac_mode, act_scale=act_scale, backend="pallas")
     a, gx, r = activation_operands(x, xq, rq, cfg)
-    return _grouped_call(a, gx, r, w.codes, _bits(w.scales), _per_expert_gw(w), group_sizes, n=n, cfg=cfg, out_dtype=out_dtype, interpret=_backend.interpret_mode())
+    outs = _grouped_call(a, gx, r, tuple(wi.codes for wi in ws), tuple(_bits(wi.scales) for wi in ws),
+                         tuple(_per_expert_gw(wi) for wi in ws), group_sizes, cfg=cfg, out_dtype=out_dtype,
+                         interpret=_backend.interpret_mode())
+    return outs if many else outs[0]

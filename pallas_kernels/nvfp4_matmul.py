@@ -146,25 +146,50 @@ def activation_operands(x, xq, rq, cfg):
 # ----------------------------------------------------------------------------- kernel
 
 
-def _gemm_kernel(*refs, t, n, k, cfg, na, has_gx, nr, interpret):
-    a_refs, gx_ref, r_refs, (wc_ref, ws_ref, gw_ref, out_ref) = pop_operand_refs(refs, na, has_gx, nr)
+def for_each_weight(jn, ns, bn, fn):
+    """Run ``fn(i, local_jn)`` for the weight whose N tiles hold global tile ``jn``: the
+    weights sharing one launch lie side by side along the grid's N axis."""
+    off = 0
+    for i, n in enumerate(ns):
+        tiles = pl.cdiv(n, bn)
+        if len(ns) == 1:
+            fn(i, jn)
+        else:
+            pl.when((jn >= off) & (jn < off + tiles))(functools.partial(fn, i, jn - off))
+        off += tiles
+
+
+def split_weight_refs(rest, nw):
+    """(codes, scales, global scale) refs of each of ``nw`` weights, then their outputs."""
+    return [rest[3 * i:3 * i + 3] for i in range(nw)], rest[3 * nw:]
+
+
+def _gemm_kernel(*refs, t, ns, k, cfg, na, has_gx, nr, interpret):
+    a_refs, gx_ref, r_refs, rest = pop_operand_refs(refs, na, has_gx, nr)
+    w_refs, out_refs = split_weight_refs(rest, len(ns))
     bm, bn = cfg.block_m, cfg.block_n
-    im, jn, sk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    row_sl, col_sl = pl.ds(im * bm, bm), pl.ds(jn * bn, bn)
+    im, sk = pl.program_id(0), pl.program_id(2)
+    row_sl = pl.ds(im * bm, bm)
     row_ok = (im * bm + jnp.arange(bm) < t)[:, None]
-    col_ok = (jn * bn + jnp.arange(bn) < n)[:, None]
-    load_a, load_r, load_w = make_loaders(
-        a_refs=a_refs, r_refs=r_refs, w_refs=(wc_ref, ws_ref), row_sl=row_sl, row_ok=row_ok,
-        col_sl=col_sl, col_ok=col_ok, cfg=cfg, interpret=interpret,
-    )
-    steps = k // (cfg.block_k * cfg.split_k)
-    acc = gemm_tile_loop(k_start=sk * steps * cfg.block_k, steps=steps, cfg=cfg, load_a=load_a, load_r=load_r, load_w=load_w, interpret=interpret)
-    out = epilogue(acc, gx_ref, row_sl, row_ok, gw_ref[0])
-    out_mask = row_ok & (jn * bn + jnp.arange(bn) < n)[None, :]
-    if cfg.split_k == 1:
-        plgpu.store(out_ref.at[row_sl, col_sl], out.astype(out_ref.dtype), mask=out_mask)
-    else:
-        plgpu.store(out_ref.at[sk, row_sl, col_sl], out, mask=out_mask)
+
+    def tile(i, jn):
+        (wc_ref, ws_ref, gw_ref), out_ref, n = w_refs[i], out_refs[i], ns[i]
+        col_sl = pl.ds(jn * bn, bn)
+        col_ok = (jn * bn + jnp.arange(bn) < n)[:, None]
+        load_a, load_r, load_w = make_loaders(
+            a_refs=a_refs, r_refs=r_refs, w_refs=(wc_ref, ws_ref), row_sl=row_sl, row_ok=row_ok,
+            col_sl=col_sl, col_ok=col_ok, cfg=cfg, interpret=interpret,
+        )
+        steps = k // (cfg.block_k * cfg.split_k)
+        acc = gemm_tile_loop(k_start=sk * steps * cfg.block_k, steps=steps, cfg=cfg, load_a=load_a, load_r=load_r, load_w=load_w, interpret=interpret)
+        out = epilogue(acc, gx_ref, row_sl, row_ok, gw_ref[0])
+        out_mask = row_ok & (jn * bn + jnp.arange(bn) < n)[None, :]
+        if cfg.split_k == 1:
+            plgpu.store(out_ref.at[row_sl, col_sl], out.astype(out_ref.dtype), mask=out_mask)
+        else:
+            plgpu.store(out_ref.at[sk, row_sl, col_sl], out, mask=out_mask)
+
+    for_each_weight(pl.program_id(1), ns, bn, tile)
 
 
 def epilogue(acc, gx_ref, row_sl, row_ok, gw):
@@ -175,35 +200,40 @@ def epilogue(acc, gx_ref, row_sl, row_ok, gw):
     return acc * gx * gw
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "out_dtype", "interpret", "n"))
-def _gemm_call(a, gx, r, wc, ws, gw, *, n, cfg, out_dtype, interpret):
+@functools.partial(jax.jit, static_argnames=("cfg", "out_dtype", "interpret"))
+def _gemm_call(a, gx, r, wc, ws, gw, *, cfg, out_dtype, interpret):
+    """One launch for the weights (codes ``wc``, scale bits ``ws``, global scales ``gw``:
+    tuples, one entry a weight) that share the activations: a tuple of [T, N_i] outputs."""
     t_real = a[0].shape[0]
-    k = wc.shape[-1] * 2
+    k = wc[0].shape[-1] * 2
+    ns = tuple(c.shape[0] for c in wc)
     rac_on = r is not None
     if interpret:  # interpret mode clamps out-of-range slices instead of masking them
         t_pad = pl.cdiv(t_real, cfg.block_m) * cfg.block_m
-        n_pad = pl.cdiv(n, cfg.block_n) * cfg.block_n
         a, r = [pad_axis(v, 0, t_pad) for v in a], r and [pad_axis(v, 0, t_pad) for v in r]
         gx = None if gx is None else pad_axis(gx, 0, t_pad)
-        wc, ws = pad_axis(wc, 0, n_pad), pad_axis(ws, 0, n_pad)
+        pad_n = lambda v: pad_axis(v, 0, pl.cdiv(v.shape[0], cfg.block_n) * cfg.block_n)
+        wc, ws = tuple(map(pad_n, wc)), tuple(map(pad_n, ws))
     t = a[0].shape[0]
-    args = list(a) + ([] if gx is None else [gx]) + (list(r) if rac_on else []) + [wc, ws, gw]
+    args = list(a) + ([] if gx is None else [gx]) + (list(r) if rac_on else [])
+    for triple in zip(wc, ws, gw):
+        args += list(triple)
     if cfg.split_k == 1:
-        out_shape = jax.ShapeDtypeStruct((t, n), out_dtype)
+        out_shape = [jax.ShapeDtypeStruct((t, n), out_dtype) for n in ns]
     else:
-        out_shape = jax.ShapeDtypeStruct((cfg.split_k, t, n), jnp.float32)
-    kernel = functools.partial(_gemm_kernel, t=t, n=n, k=k, cfg=cfg, na=len(a), has_gx=gx is not None,
+        out_shape = [jax.ShapeDtypeStruct((cfg.split_k, t, n), jnp.float32) for n in ns]
+    kernel = functools.partial(_gemm_kernel, t=t, ns=ns, k=k, cfg=cfg, na=len(a), has_gx=gx is not None,
                                nr=len(r) if rac_on else 0, interpret=interpret)
-    out = pl.pallas_call(
+    outs = pl.pallas_call(
         kernel,
         out_shape=out_shape,
-        grid=(pl.cdiv(t, cfg.block_m), pl.cdiv(n, cfg.block_n), cfg.split_k),
+        grid=(pl.cdiv(t, cfg.block_m), sum(pl.cdiv(n, cfg.block_n) for n in ns), cfg.split_k),
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
         name="nvfp4_matmul",
     )(*args)
-    out = out if cfg.split_k == 1 else out.sum(0).astype(out_dtype)
-    return out[:t_real, :n]
+    outs = [o if cfg.split_k == 1 else o.sum(0).astype(out_dtype) for o in outs]
+    return tuple(o[:t_real, :n] for o, n in zip(outs, ns))
 
 
 # ----------------------------------------------------------------------------- public API
@@ -243,13 +273,27 @@ def quantized_operands(x, *, mode, rac_ratio, rac_mode, act_scale, backend, quan
                                     config=quant_config)
 
 
+def as_weights(w):
+    """(weights tuple, whether a sequence was given): GEMMs take one NVFP4 weight or several
+    that share the activations (q/k/v, gate/up), computed in one launch."""
+    if isinstance(w, (tuple, list)):
+        if not w:
+            raise ValueError("w: expected an NVFP4Tensor or a non-empty sequence of them")
+        return tuple(w), True
+    return (w,), False
+
+
 def nvfp4_matmul_xla(x, w, *, rac_ratio=0.0, rac_mode="token", act_scale="tensor", mode="w4a4", out_dtype=jnp.bfloat16):
     """The XLA reference: the same operands and epilogue with ``jnp.dot`` (BF16 in, FP32 out)."""
-    _check_args(x, w, mode, rac_ratio, rac_mode)
+    ws, many = as_weights(w)
+    for wi in ws:
+        _check_args(x, wi, mode, rac_ratio, rac_mode)
     if mode == "w4a16":
-        return dequant_dot(None, None, w, x=x, out_dtype=out_dtype)
-    xq, rq = quantized_operands(x, mode=mode, rac_ratio=rac_ratio, rac_mode=rac_mode, act_scale=act_scale, backend="xla")
-    return dequant_dot(xq, rq, w, out_dtype=out_dtype)
+        outs = tuple(dequant_dot(None, None, wi, x=x, out_dtype=out_dtype) for wi in ws)
+    else:
+        xq, rq = quantized_operands(x, mode=mode, rac_ratio=rac_ratio, rac_mode=rac_mode, act_scale=act_scale, backend="xla")
+        outs = tuple(dequant_dot(xq, rq, wi, out_dtype=out_dtype) for wi in ws)
+    return outs if many else outs[0]
 
 
 def dequant_dot(xq, rq, w, *, x=None, out_dtype=jnp.bfloat16, values=nvfp4.block_values):
@@ -277,21 +321,28 @@ def nvfp4_matmul(x, w, *, rac_ratio=0.0, rac_mode="token", act_scale="tensor", m
 
     mode "w4a4": activations quantized to NVFP4 on the fly (per-tensor or per-token global
     scale), plus RAC with ``rac_ratio`` (0 = naive W4A4); "w4a16": BF16 activations.
-    Returns [T, N] in ``out_dtype``. ``backend`` None uses the process default; ``config``
-    and ``quant_config`` override the GEMM's and the activation quantizer's tuning."""
+    Returns [T, N] in ``out_dtype``. ``w`` may be a sequence of weights with the same K (the
+    projections that read one input): then the activations are quantized once, one launch
+    computes every product, and the result is the tuple of their outputs. ``backend`` None
+    uses the process default; ``config`` and ``quant_config`` override the GEMM's and the
+    activation quantizer's tuning (the GEMM's tiles are chosen for the summed N)."""
     if _backend.resolve(backend) == "xla":
         return nvfp4_matmul_xla(x, w, rac_ratio=rac_ratio, rac_mode=rac_mode, act_scale=act_scale, mode=mode, out_dtype=out_dtype)
-    _check_args(x, w, mode, rac_ratio, rac_mode)
+    ws, many = as_weights(w)
+    for wi in ws:
+        _check_args(x, wi, mode, rac_ratio, rac_mode)
     t, k = x.shape
-    n = w.shape[0]
     if k % 32:
         raise ValueError(f"x: the Pallas GEMM needs K % 32 == 0 (got K={k}); use backend='xla'")
-    cfg = config or gemm_config(t, n, k)
-    gw = jnp.reshape(jnp.asarray(w.global_scale, jnp.float32), (1,))
+    cfg = config or gemm_config(t, sum(wi.shape[0] for wi in ws), k)
     xq, rq = quantized_operands(x, mode=mode, rac_ratio=rac_ratio, rac_mode=rac_mode, act_scale=act_scale, backend="pallas",
                                 quant_config=quant_config)
-    w4a16 = mode == "w4a16"
     if cfg.path == "dequant":
-        return dequant_dot(xq, rq, w, x=x, out_dtype=out_dtype, values=functools.partial(nvfp4_block_values, backend="pallas"))
-    a, gx, r = activation_operands(x, xq, rq, cfg)
-    return _gemm_call(a, gx, r, w.codes, _bits(w.scales), gw, n=n, cfg=cfg, out_dtype=out_dtype, interpret=_backend.interpret_mode())
+        values = functools.partial(nvfp4_block_values, backend="pallas")
+        outs = tuple(dequant_dot(xq, rq, wi, x=x, out_dtype=out_dtype, values=values) for wi in ws)
+    else:
+        a, gx, r = activation_operands(x, xq, rq, cfg)
+        gw = tuple(jnp.reshape(jnp.asarray(wi.global_scale, jnp.float32), (1,)) for wi in ws)
+        outs = _gemm_call(a, gx, r, tuple(wi.codes for wi in ws), tuple(_bits(wi.scales) for wi in ws), gw, cfg=cfg,
+                          out_dtype=out_dtype, interpret=_backend.interpret_mode())
+    return outs if many else outs[0]

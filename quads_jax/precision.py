@@ -28,6 +28,7 @@ numbers do not depend on what it is batched with.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 import jax
@@ -158,22 +159,46 @@ def _float_operands(x, w, mode: str):
 # ----------------------------------------------------------------------------- linears
 
 
+# weights that read one input (q/k/v, gate/up) go to the NVFP4 GEMMs together, one launch;
+# QUADS_FUSE_SHARED_INPUT=0 launches them one by one (same numbers; for benchmarks)
+FUSE_SHARED_INPUT = os.environ.get("QUADS_FUSE_SHARED_INPUT", "1") != "0"
+
+
+def _weights(w):
+    return (tuple(w), True) if isinstance(w, (tuple, list)) else ((w,), False)
+
+
+def _one_launch(ws):
+    return all(isinstance(wi, nvfp4.NVFP4Tensor) for wi in ws) and (FUSE_SHARED_INPUT or len(ws) == 1)
+
+
 def linear(x, w, mode: str, *, dtype=jnp.bfloat16, rac_ratio: float = 0.0, backend=None):
     """``x @ W.T`` for x [..., K] (or QuantizedRows [T, K]) and W [N, K] (float, NVFP4Tensor
-    or FP8Tensor)."""
+    or FP8Tensor). ``w`` may be a list of weights that read the same x (q/k/v, gate/up):
+    the list of their outputs, from one kernel launch when they are NVFP4."""
+    ws, many = _weights(w)
     lead = x.shape[:-1]
     x2 = x if isinstance(x, pk.QuantizedRows) else x.reshape(-1, x.shape[-1])
-    if isinstance(w, nvfp4.NVFP4Tensor):
-        y = pk.nvfp4_matmul(_bf16(x2), w, rac_ratio=rac_ratio if mode == "w4a4" else 0.0,
-                            act_scale="token", mode="w4a16" if mode == "w4a16" else "w4a4", backend=backend,
-                            out_dtype=dtype)
-    elif isinstance(w, fp8.FP8Tensor):
-        y = pk.fp8_matmul(x2.astype(jnp.bfloat16), w, backend=backend, out_dtype=dtype)
+    if not _one_launch(ws) and all(isinstance(wi, nvfp4.NVFP4Tensor) for wi in ws):
+        ys = tuple(linear(x2, wi, mode, dtype=dtype, rac_ratio=rac_ratio, backend=backend) for wi in ws)
+    elif _one_launch(ws):
+        ys = pk.nvfp4_matmul(_bf16(x2), ws, rac_ratio=rac_ratio if mode == "w4a4" else 0.0,
+                             act_scale="token", mode="w4a16" if mode == "w4a16" else "w4a4", backend=backend,
+                             out_dtype=dtype)
     else:
-        a, b = _float_operands(x2.astype(dtype), w, mode)
-        y = jax.lax.dot_general(a.astype(dtype), b.astype(dtype), (((1,), (1,)), ((), ())),
-                                preferred_element_type=jnp.float32).astype(dtype)
-    return y.reshape(*lead, y.shape[-1])
+        ys = tuple(_linear_one(x2, wi, mode, dtype=dtype, backend=backend) for wi in ws)
+    ys = [y.reshape(*lead, y.shape[-1]) for y in ys]
+    return ys if many else ys[0]
+
+
+def _linear_one(x2, w, mode, *, dtype, backend):
+    if isinstance(w, nvfp4.NVFP4Tensor):
+        raise ValueError("w: NVFP4 weights mixed with other weights in one linear call")
+    if isinstance(w, fp8.FP8Tensor):
+        return pk.fp8_matmul(x2.astype(jnp.bfloat16), w, backend=backend, out_dtype=dtype)
+    a, b = _float_operands(x2.astype(dtype), w, mode)
+    return jax.lax.dot_general(a.astype(dtype), b.astype(dtype), (((1,), (1,)), ((), ())),
+                               preferred_element_type=jnp.float32).astype(dtype)
 
 
 def quantize_rows_for(x, w, mode: str, *, rac_ratio: float = 0.0, backend=None):
@@ -197,11 +222,23 @@ def _bf16(x):
 
 def grouped_linear(x, w, group_sizes, mode: str, *, dtype=jnp.bfloat16, rac_ratio: float = 0.0, backend=None):
     """Per-expert ``x_e @ W_e.T`` for rows of x [M, K] (or QuantizedRows) sorted by expert and
-    W [E, N, K]."""
+    W [E, N, K]; ``w`` may be a list of expert weights that read the same rows (gate/up): the
+    list of outputs, from one kernel launch when they are NVFP4."""
+    ws, many = _weights(w)
+    if not _one_launch(ws) and all(isinstance(wi, nvfp4.NVFP4Tensor) for wi in ws):
+        ys = tuple(grouped_linear(x, wi, group_sizes, mode, dtype=dtype, rac_ratio=rac_ratio, backend=backend) for wi in ws)
+    elif _one_launch(ws):
+        ys = pk.nvfp4_grouped_matmul(_bf16(x), ws, group_sizes,
+                                     rac_ratio=rac_ratio if mode == "w4a4" else 0.0, act_scale="token",
+                                     mode="w4a16" if mode == "w4a16" else "w4a4", backend=backend, out_dtype=dtype)
+    else:
+        ys = tuple(_grouped_one(x, wi, group_sizes, mode, dtype=dtype, backend=backend) for wi in ws)
+    return list(ys) if many else ys[0]
+
+
+def _grouped_one(x, w, group_sizes, mode, *, dtype, backend):
     if isinstance(w, nvfp4.NVFP4Tensor):
-        return pk.nvfp4_grouped_matmul(_bf16(x), w, group_sizes,
-                                       rac_ratio=rac_ratio if mode == "w4a4" else 0.0, act_scale="token",
-                                       mode="w4a16" if mode == "w4a16" else "w4a4", backend=backend, out_dtype=dtype)
+        raise ValueError("w: NVFP4 expert weights mixed with other weights in one grouped call")
     if isinstance(w, fp8.FP8Tensor):
         return pk.fp8_grouped_matmul(x.astype(jnp.bfloat16), w, group_sizes, backend=backend, out_dtype=dtype)
     a, b = _float_operands(x.astype(dtype), w, mode)

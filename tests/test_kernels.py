@@ -290,3 +290,26 @@ def test_rac_selection_rank_and_bisection_equal_xla_with_ties(rng, rank_max, mon
         codes = np.asarray(rb.codes).reshape(9, 32, 8)
         assert (codes[1] != 0).any(axis=1).all()  # all tie: every block selected (more than the fraction)
         assert (codes[0] != 0).any(axis=1).sum() == rac.num_selected(rho, 32)  # no ties: exactly the fraction
+
+
+@pytest.mark.parametrize("kw", [{"rac_ratio": 0.5, "act_scale": "token"}, {"mode": "w4a16"}])
+def test_weights_sharing_an_input_one_launch_equal_separate_products(rng, kw):
+    """q/k/v and gate/up: one launch over several weights equals each product alone (XLA)."""
+    x = jnp.asarray(heavy(rng, (19, 128))).astype(jnp.bfloat16)
+    ws = [nvfp4.quantize(jnp.asarray(rng.standard_normal((n, 128)), jnp.float32)) for n in (96, 40, 64)]
+    got = pk.nvfp4_matmul(x, ws, backend="pallas", out_dtype=jnp.float32, **kw)
+    assert isinstance(got, tuple) and [g.shape for g in got] == [(19, 96), (19, 40), (19, 64)]
+    for g, w in zip(got, ws):
+        want = pk.nvfp4_matmul(x, w, backend="xla", out_dtype=jnp.float32, **kw)
+        np.testing.assert_allclose(np.asarray(g), np.asarray(want), rtol=2e-5, atol=2e-4)
+    sizes = jnp.asarray([5, 0, 9, 3], jnp.int32)  # an empty expert; 2 trailing rows unassigned
+    wg = [nvfp4.quantize(jnp.asarray(rng.standard_normal((4, n, 128)), jnp.float32), keep_axes=(0,)) for n in (48, 80)]
+    got = pk.nvfp4_grouped_matmul(x, wg, sizes, backend="pallas", out_dtype=jnp.float32, **kw)
+    ref = pk.nvfp4_grouped_matmul(x, wg, sizes, backend="xla", out_dtype=jnp.float32, **kw)
+    for g, w, r in zip(got, wg, ref):
+        want = pk.nvfp4_grouped_matmul(x, w, sizes, backend="xla", out_dtype=jnp.float32, **kw)
+        np.testing.assert_array_equal(np.asarray(r), np.asarray(want))
+        np.testing.assert_allclose(np.asarray(g), np.asarray(want), rtol=2e-5, atol=2e-4)
+        assert not np.asarray(g)[17:].any()
+    with pytest.raises(ValueError, match="expert count"):
+        pk.nvfp4_grouped_matmul(x, [wg[0], nvfp4.quantize(jnp.ones((3, 8, 128)), keep_axes=(0,))], sizes, backend="pallas")

@@ -42,6 +42,13 @@ class Linear(nnx.Module):
         return P.linear(x, value(self.w), prec.mode(self.kind), dtype=dtype, rac_ratio=prec.rac_ratio, backend=prec.backend)
 
 
+def linears(x, mods, prec: P.Precision, dtype):
+    """The outputs of several linears of one kind that read the same x (q/k/v, gate/up): one
+    kernel launch under an NVFP4 recipe."""
+    return P.linear(x, [value(m.w) for m in mods], prec.mode(mods[0].kind), dtype=dtype, rac_ratio=prec.rac_ratio,
+                    backend=prec.backend)
+
+
 def shared_input(x, first: Linear, prec: P.Precision):
     """x for several linears of the same kind (q/k/v, gate/up): under an NVFP4 W4A4 rollout
     recipe, quantized once ([T, K] QuantizedRows), otherwise x itself."""
@@ -111,9 +118,10 @@ class Attention(nnx.Module):
         b, t, _ = x.shape
         dt = cfg.dtype
         xin = shared_input(x, self.q, prec)  # q, k and v read the same activations
-        q = self.q(xin, prec, dt).reshape(b, t, cfg.n_heads, cfg.head_dim)
-        k = self.k(xin, prec, dt).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
-        v = self.v(xin, prec, dt).reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
+        q, k, v = linears(xin, (self.q, self.k, self.v), prec, dt)
+        q = q.reshape(b, t, cfg.n_heads, cfg.head_dim)
+        k = k.reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
+        v = v.reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
         q = rope(self.q_norm(q), positions, cfg.rope_theta)
         k = rope(self.k_norm(k), positions, cfg.rope_theta)
         if cache is not None:
@@ -147,6 +155,7 @@ class MLP(nnx.Module):
 
     def __call__(self, x, prec, dtype):
         xin = shared_input(x, self.gate, prec)
-        h = jax.nn.silu(self.gate(xin, prec, dtype).astype(jnp.float32)) * self.up(xin, prec, dtype).astype(jnp.float32)
+        g, u = linears(xin, (self.gate, self.up), prec, dtype)
+        h = jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)
         h = h.reshape(*x.shape[:-1], h.shape[-1])
         return self.down(h.astype(dtype), prec, dtype)

@@ -66,7 +66,8 @@ def expert_ffn(xs, w_gate, w_up, w_down, group_sizes, prec: P.Precision, dtype):
     """SwiGLU over rows sorted by expert, through the grouped-matmul dispatch."""
     mode = prec.mode("experts")
     gl = lambda a, w: P.grouped_linear(a, w, group_sizes, mode, dtype=dtype, rac_ratio=prec.rac_ratio, backend=prec.backend)
-    h = jax.nn.silu(gl(xs, w_gate).astype(jnp.float32)) * gl(xs, w_up).astype(jnp.float32)
+    g, u = gl(xs, [w_gate, w_up])  # one launch for both under an NVFP4 recipe
+    h = jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)
     return gl(h.astype(dtype), w_down)
 
 
