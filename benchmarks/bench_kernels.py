@@ -737,7 +737,8 @@ def markdown(res) -> str:
     if s.get("grouped"):
         lines += ["## Grouped MoE decode (64 experts, top-8)", "", "| tokens | K x N | ragged_dot bf16 us | nvfp4 rho0 us | nvfp4 rho0.5 us | speedup | W TB/s |", "|---|---|---|---|---|---|---|"]
         for r in s["grouped"]:
-            lines.append(f"| {r['tokens']} | {r['K']}x{r['N']} | {r['ragged_dot_bf16_us']:.1f} | {r.get('nvfp4_rho0_us') or '-'} | {r.get('nvfp4_rho0.5_us') or '-'} | {r.get('speedup_vs_ragged_dot') or '-'} | {r.get('weight_TBps') or '-'} |")
+            g = lambda key, fmt="{:.1f}": "-" if r.get(key) is None else fmt.format(r[key])
+            lines.append(f"| {r['tokens']} | {r['K']}x{r['N']} | {r['ragged_dot_bf16_us']:.1f} | {g('nvfp4_rho0_us')} | {g('nvfp4_rho0.5_us')} | {g('speedup_vs_ragged_dot', '{:.2f}')} | {g('weight_TBps', '{:.2f}')} |")
         lines.append("")
     if s.get("torch"):
         lines += ["## cuBLAS through torch (us, do_bench median)", "", "| T | K x N | bf16 | fp8 _scaled_mm |", "|---|---|---|---|"]
