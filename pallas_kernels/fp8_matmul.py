@@ -18,8 +18,11 @@ from pallas_kernels.nvfp4_grouped_matmul import check_group_sizes, expert_of_row
 def _check(x, w: fp8.FP8Tensor, ndim: int):
     if not isinstance(w, fp8.FP8Tensor) or w.values.ndim != ndim:
         raise ValueError(f"w: expected an FP8Tensor of rank {ndim} ([N, K] or [E, N, K]), got {type(w).__name__}")
-    if x.ndim != 2 or x.shape[1] != w.shape[-1]:
-        raise ValueError(f"x: expected [T, {w.shape[-1]}], got {tuple(x.shape)}")
+    if w.kn and ndim != 3:
+        raise ValueError("w: the [E, K, N] layout (fp8.to_kn) is for the grouped GEMM's expert weights")
+    k = w.shape[-2] if w.kn else w.shape[-1]
+    if x.ndim != 2 or x.shape[1] != k:
+        raise ValueError(f"x: expected [T, {k}], got {tuple(x.shape)}")
 
 
 def fp8_matmul(x, w: fp8.FP8Tensor, *, backend=None, out_dtype=jnp.bfloat16):
@@ -32,14 +35,16 @@ def fp8_matmul(x, w: fp8.FP8Tensor, *, backend=None, out_dtype=jnp.bfloat16):
 
 
 def fp8_grouped_matmul(x, w: fp8.FP8Tensor, group_sizes, *, backend=None, out_dtype=jnp.bfloat16):
-    """Grouped W8A8 for sorted MoE rows; w [E, N, K] with scales [E, N, 1]."""
+    """Grouped W8A8 for sorted MoE rows; w [E, N, K] with scales [E, N, 1], or stored [E, K, N]
+    (``fp8.to_kn``, what the rollout engine loads): then no transpose of the weight per call."""
     del backend
     _check(x, w, 3)
     m = x.shape[0]
     group_sizes = check_group_sizes(group_sizes, m, w.shape[0])
     xq = fp8.quantize(x, axis=-1)
-    wv = jnp.swapaxes(w.values, 1, 2)  # [E, K, N]
+    wv = w.values if w.kn else jnp.swapaxes(w.values, 1, 2)  # [E, K, N]
     acc = jax.lax.ragged_dot(xq.values, wv, group_sizes, preferred_element_type=jnp.float32)
     ex = expert_of_rows(group_sizes, m)
-    ws = jnp.concatenate([w.scale[..., 0], jnp.zeros((1, w.shape[1]), jnp.float32)])[ex]  # [M, N]
+    scale = w.scale[:, 0, :] if w.kn else w.scale[..., 0]  # [E, N]
+    ws = jnp.concatenate([scale, jnp.zeros((1, scale.shape[1]), jnp.float32)])[ex]  # [M, N]
     return (acc * xq.scale * ws).astype(out_dtype)

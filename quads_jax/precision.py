@@ -136,7 +136,8 @@ def prepare_weight(w, mode: str):
     if mode in ("w4a4", "w4a16"):
         return quantize_weight(jnp.asarray(w, jnp.float32))
     if mode == "fp8":
-        return fp8.quantize(jnp.asarray(w, jnp.float32), axis=-1)
+        t = fp8.quantize(jnp.asarray(w, jnp.float32), axis=-1)
+        return fp8.to_kn(t) if t.values.ndim == 3 else t  # experts: ragged_dot's layout, no transpose a call
     return w
 
 

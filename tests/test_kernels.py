@@ -120,6 +120,14 @@ def test_fp8_matmul_close_to_float(rng):
     yg = pk.fp8_grouped_matmul(x, fp8.quantize(wg), jnp.array([3, 0, 5]), out_dtype=jnp.float32)
     ref = jnp.concatenate([x[:3] @ wg[0].T, x[3:] @ wg[2].T])
     assert rel(yg, ref) < 0.05
+    # the rollout's expert layout [E, K, N] (no transpose a call): the same numbers
+    from quads_jax import precision as P
+
+    wkn = P.prepare_weight(wg, "fp8")
+    assert wkn.kn and wkn.values.shape == (3, 256, 32)
+    np.testing.assert_array_equal(np.asarray(pk.fp8_grouped_matmul(x, wkn, jnp.array([3, 0, 5]), out_dtype=jnp.float32)), np.asarray(yg))
+    with pytest.raises(ValueError, match="layout"):
+        fp8.to_kn(wkn)
 
 
 def test_bad_inputs_name_the_argument(rng):

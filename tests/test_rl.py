@@ -135,6 +135,20 @@ def test_engine_stop_tokens_experts_and_errors(params):
         eng.generate([Request(prompt=[1, 999], max_new_tokens=2)])
 
 
+def test_fp8_engine_runs_the_expert_layout_and_stays_near_the_trainer(params):
+    """The fp8 recipe (experts stored [E, K, N] for ragged_dot) scores its own samples close to
+    the BF16 trainer, but not equal to it: the weights and activations are quantized."""
+    flat, model = params
+    eng = Engine(CFG, recipe="fp8", max_batch=2, max_len=32)
+    eng.load(flat)
+    assert any(getattr(w, "kn", False) for w in jax.tree_util.tree_leaves(eng._state, is_leaf=lambda t: hasattr(t, "kn")))
+    q = Request(prompt=[1, 5, 6, 9], max_new_tokens=12, seed=3)
+    r = eng.generate([q])[0]
+    lp = np.asarray(token_logprobs(model, jnp.asarray([list(q.prompt) + r.output_ids])))[0, len(q.prompt):]
+    gap = np.abs(np.asarray(r.logprobs) - lp)
+    assert 0 < gap.max() < 0.5, gap
+
+
 def test_gap_bf16_below_nvfp4_naive(params):
     """Trainer in BF16 policy vs rollout engines: the naive W4A4 rollout drifts more than BF16,
     and QUADS (QAT trainer + RAC rollout) sits between."""
