@@ -91,7 +91,7 @@ def _grouped_kernel(items_ref, *refs, ns, k, cfg, na, has_gx, nr, interpret):
             col_sl=col_sl, col_ok=col_ok, cfg=cfg, interpret=interpret, w_index=(ex,),
         )
         steps = k // (cfg.block_k * cfg.split_k)
-        acc = gemm_tile_loop(k_start=sk * steps * cfg.block_k, steps=steps, cfg=cfg, load_a=load_a, load_r=load_r, load_w=load_w, interpret=interpret)
+        acc = gemm_tile_loop(kt_start=sk * steps, steps=steps, cfg=cfg, load_a=load_a, load_r=load_r, load_w=load_w, interpret=interpret)
         out = epilogue(acc, gx_ref, row_sl, row_ok, gw_ref[ex])
         out_mask = row_ok & (jn * bn + jnp.arange(bn) < n)[None, :]
         if cfg.split_k == 1:

@@ -50,23 +50,27 @@ def _dot_nt(a, b):
     return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def gemm_tile_loop(*, k_start, steps, cfg, load_a, load_r, load_w, interpret):
+def gemm_tile_loop(*, kt_start, steps, cfg, load_a, load_r, load_w, interpret):
     """The shared main loop: accumulates A @ W.T + R' @ W.T over ``steps`` K-tiles into one
     FP32 accumulator, where R' = R * RESIDUAL_SCALE_FACTOR (the loaders deliver it scaled:
     a power of two, exact in BF16). The residual's global scale is gx times that factor, so
     gx * (A @ W.T) + gr * (R @ W.T) = gx * (A @ W.T + R' @ W.T): RAC adds MMAs, not a second
-    accumulator (half the registers a separate one would hold)."""
+    accumulator (half the registers a separate one would hold).
+
+    Loaders take the K-tile index ``kt`` and form their offsets as kt times a constant: no
+    integer division in an index (a floor division hides the offsets' alignment from
+    Triton, which then loads the codes byte by byte instead of 16 bytes at a time)."""
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     # swap_ab: accumulate the transposed tile W @ A.T ([bn, bm]) and transpose it once at the end
     pair = (lambda a, w: _dot_nt(w, a)) if cfg.swap_ab else _dot_nt
 
     def body(i, acc):
-        k0 = k_start + i * bk
-        w_lo, w_hi = load_w(k0)
-        a_lo, a_hi = load_a(k0)
+        kt = kt_start + i
+        w_lo, w_hi = load_w(kt)
+        a_lo, a_hi = load_a(kt)
         acc = acc + pair(a_lo, w_lo) + pair(a_hi, w_hi)
         if load_r is not None:
-            r_lo, r_hi = load_r(k0)
+            r_lo, r_hi = load_r(kt)
             acc = acc + pair(r_lo, w_lo) + pair(r_hi, w_hi)
         return acc
 
@@ -80,22 +84,22 @@ def make_loaders(*, a_refs, r_refs, w_refs, row_sl, row_ok, col_sl, col_ok, cfg,
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     wc_ref, ws_ref = w_refs
 
-    def load_w(k0):
-        wc = plgpu.load(wc_ref.at[(*w_index, col_sl, pl.ds(k0 // 2, bk // 2))], mask=col_ok, other=0)
+    def load_w(kt):
+        wc = plgpu.load(wc_ref.at[(*w_index, col_sl, pl.ds(kt * (bk // 2), bk // 2))], mask=col_ok, other=0)
         if cfg.scale_load == "gather":  # scale byte j // 8 for packed column j: no reshape
             rows = (col_sl.start + jnp.arange(bn))[:, None]
-            cols = (k0 // 16 + jnp.arange(bk // 2) // 8)[None, :]
+            cols = (kt * (bk // 16) + jnp.arange(bk // 2) // 8)[None, :]
             ws = plgpu.load(ws_ref.at[(*w_index, rows, cols)], mask=col_ok, other=0)
         else:
-            ws = plgpu.load(ws_ref.at[(*w_index, col_sl, pl.ds(k0 // 16, bk // 16))], mask=col_ok, other=0)
+            ws = plgpu.load(ws_ref.at[(*w_index, col_sl, pl.ds(kt * (bk // 16), bk // 16))], mask=col_ok, other=0)
         return decode_tile(wc, ws, bn, bk, cfg.decode, interpret)
 
     def load_codes(refs, factor=None):
         c_ref, s_ref = refs
 
-        def load(k0):
-            c = plgpu.load(c_ref.at[row_sl, pl.ds(k0 // 2, bk // 2)], mask=row_ok, other=0)
-            s = plgpu.load(s_ref.at[row_sl, pl.ds(k0 // 16, bk // 16)], mask=row_ok, other=0)
+        def load(kt):
+            c = plgpu.load(c_ref.at[row_sl, pl.ds(kt * (bk // 2), bk // 2)], mask=row_ok, other=0)
+            s = plgpu.load(s_ref.at[row_sl, pl.ds(kt * (bk // 16), bk // 16)], mask=row_ok, other=0)
             lo, hi = decode_tile(c, s, bm, bk, cfg.decode, interpret)
             if factor is None:
                 return lo, hi
@@ -105,8 +109,8 @@ def make_loaders(*, a_refs, r_refs, w_refs, row_sl, row_ok, col_sl, col_ok, cfg,
         return load
 
     def load_values(x_ref):
-        def load(k0):
-            even, odd = load_even_odd(x_ref, row_sl, k0, bk, row_ok, interpret, other=0.0)
+        def load(kt):
+            even, odd = load_even_odd(x_ref, row_sl, kt * bk, bk, row_ok, interpret, other=0.0)
             return even.astype(jnp.bfloat16), odd.astype(jnp.bfloat16)
 
         return load
@@ -181,7 +185,7 @@ def _gemm_kernel(*refs, t, ns, k, cfg, na, has_gx, nr, interpret):
             col_sl=col_sl, col_ok=col_ok, cfg=cfg, interpret=interpret,
         )
         steps = k // (cfg.block_k * cfg.split_k)
-        acc = gemm_tile_loop(k_start=sk * steps * cfg.block_k, steps=steps, cfg=cfg, load_a=load_a, load_r=load_r, load_w=load_w, interpret=interpret)
+        acc = gemm_tile_loop(kt_start=sk * steps, steps=steps, cfg=cfg, load_a=load_a, load_r=load_r, load_w=load_w, interpret=interpret)
         out = epilogue(acc, gx_ref, row_sl, row_ok, gw_ref[0])
         out_mask = row_ok & (jn * bn + jnp.arange(bn) < n)[None, :]
         if cfg.split_k == 1:

@@ -56,14 +56,16 @@ def decode_tile(codes, scale_bits, rows, bk, decode="bits", interpret=False):
     already one per channel pair [rows, bk/2] -> the even and odd channels' block values
     in BF16 (exact: E2M1 x E4M3 has at most 6 significant bits), each [rows, bk/2]."""
     c = codes.astype(jnp.int32)
-    s = nvfp4.decode_e4m3_bits(scale_bits.astype(jnp.int32))
+    # the scales' BF16 values by integer bit operations (exact): in the compiled loop this
+    # is ~40% fewer instructions than the float32 decode and conversion (run-11 analysis)
+    s = nvfp4.decode_e4m3_bf16(scale_bits.astype(jnp.int32))
     if s.shape[-1] != bk // 2:
         s = jnp.broadcast_to(s[:, :, None], (rows, bk // 16, 8)).reshape(rows, bk // 2)
     if decode == "prmt" and not interpret:
-        return prmt_decode(codes.astype(jnp.uint8), s.astype(jnp.bfloat16))
+        return prmt_decode(codes.astype(jnp.uint8), s)
     if decode in ("bits", "prmt"):
-        s = s.astype(jnp.bfloat16)
         return nvfp4.decode_e2m1_bf16(c & 15) * s, nvfp4.decode_e2m1_bf16(c >> 4) * s
+    s = s.astype(jnp.float32)
     lo = (nvfp4.decode_e2m1_arith(c & 15) * s).astype(jnp.bfloat16)
     hi = (nvfp4.decode_e2m1_arith(c >> 4) * s).astype(jnp.bfloat16)
     return lo, hi

@@ -154,6 +154,17 @@ def test_e2m1_bit_decode_equals_the_grid():
     np.testing.assert_array_equal(np.asarray(nvfp4.decode_e2m1_arith(c)), grid)
 
 
+def test_e4m3_bit_decodes_equal_the_format_for_all_256_patterns():
+    b = jnp.arange(256, dtype=jnp.int32)
+    want = np.asarray(jax.lax.bitcast_convert_type(b.astype(jnp.uint8), jnp.float8_e4m3fn).astype(jnp.float32))
+    for got in (nvfp4.decode_e4m3_bits(b), nvfp4.decode_e4m3_bf16(b).astype(jnp.float32)):
+        got = np.asarray(got)
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+        ok = ~np.isnan(want)
+        np.testing.assert_array_equal(got[ok], want[ok])  # subnormals, zero, -0 and 448 included
+        np.testing.assert_array_equal(np.signbit(got[ok]), np.signbit(want[ok]))
+
+
 def test_prmt_decode_steps_equal_the_e2m1_grid():
     """The integer steps of the byte-permute PTX decode (emulated), for every code byte in
     every byte position of the 32-bit word, give the BF16 bits of the E2M1 values."""

@@ -1,0 +1,174 @@
+"""SASS of the Pallas GEMMs without a GPU: per-iteration instruction counts of the main loop.
+
+The NVFP4 GEMMs are bound by instruction issue (Nsight Compute, H200 run 11), so the number
+of instructions in the compiled main loop per weight value is the figure to lower. This tool
+gets it on a CPU-only machine:
+
+1. lower each kernel with the project's JAX, with the GPU's compute capability given as 9.0
+   (Pallas' Triton lowering only asks for it), and keep the Triton IR (TTIR) it builds;
+2. compile the TTIR for sm_90 with a Triton installation (pip ``triton==3.6.0``, the GPU
+   image's version, in any Python: ``--triton-python``), which bundles ptxas and nvdisasm;
+3. find the steady-state loop (the longest backward branch) in the SASS and count it.
+
+XLA compiles Pallas kernels with its own copy of Triton, so the counts are a close proxy
+(run 11: 877 here against ~15.5 instructions a value measured on the device for the same
+kernel), not the device's exact code. Usage:
+
+    PYTHONPATH=. python benchmarks/sass_offline.py --triton-python /path/to/python [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import types
+
+COMPILE = r'''
+import os, subprocess, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+path, nw, ns = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+k = triton.compile(path, target=GPUTarget("cuda", 90, 32), options={"num_warps": nw, "num_stages": ns})
+f = path + ".cubin"
+open(f, "wb").write(k.asm["cubin"])
+bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+open(path + ".sass", "w").write(subprocess.run([os.path.join(bin_dir, "nvdisasm"), "-c", f], capture_output=True, text=True).stdout)
+print(subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-res-usage", f], capture_output=True, text=True).stdout)
+'''
+
+
+def main_loop(sass: str):
+    """(loop instruction count, opcode counts) of the longest backward-branch span."""
+    labels, instr = {}, []
+    for ln in sass.splitlines():
+        lm = re.match(r"\s*(\.L_x_\d+):", ln)
+        if lm:
+            labels[lm.group(1)] = len(instr)
+            continue
+        m = re.match(r"\s*/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)(.*)", ln)
+        if m:
+            instr.append((m.group(2).split(".")[0], m.group(3)))
+    best = (0, -1)
+    for i, (op, rest) in enumerate(instr):
+        t = re.search(r"(\.L_x_\d+)", rest) if op == "BRA" else None
+        if t and labels.get(t.group(1), i + 1) <= i and i - labels[t.group(1)] > best[1] - best[0]:
+            best = (labels[t.group(1)], i)
+    body = collections.Counter(op for op, _ in instr[best[0]:best[1] + 1])
+    return best[1] - best[0] + 1, body
+
+
+def capture_ttir():
+    """Patch the Pallas Triton lowering: a fixed compute capability, and keep each TTIR."""
+    from jax._src.pallas.triton import pallas_call_registration as R
+
+    R.gpu_info_lib.get_gpu_info = lambda: types.SimpleNamespace(compute_capability="9.0")
+    captured = []
+    orig = R.lowering.lower_jaxpr_to_triton_module
+
+    def keep(*a, **k):
+        res = orig(*a, **k)
+        captured.append(res.module.operation.get_asm())
+        return res
+
+    R.lowering.lower_jaxpr_to_triton_module = keep
+    return captured
+
+
+def cases():
+    """(name, lower(), cfg, weight values per loop iteration per thread) of the decode GEMMs."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import pallas_kernels as pk
+    from quads_jax import nvfp4
+
+    NM = sys.modules["pallas_kernels.nvfp4_matmul"]
+    NG = sys.modules["pallas_kernels.nvfp4_grouped_matmul"]
+    gw1 = (jnp.ones((1,), jnp.float32),)
+
+    def dense(t, n, k, rho):
+        w = nvfp4.quantize(jnp.ones((n, k), jnp.float32))
+        x = jnp.ones((t, k), jnp.bfloat16)
+        cfg = NM.gemm_config(t, n, k)
+        xq, rq = pk.quantize_activations_rac(x, rac_ratio=rho, act_scale="token", backend="xla")
+
+        def f(xq, rq):
+            a, gx, r = NM.activation_operands(x, xq, rq, cfg)
+            return NM._gemm_call(a, gx, r, (w.codes,), (NM._bits(w.scales),), gw1, cfg=cfg, out_dtype=jnp.float32, interpret=False)
+
+        return (lambda: jax.jit(f).trace(xq, rq).lower(lowering_platforms=("cuda",))), cfg
+
+    def grouped(tokens, n, k, rho, e=64, topk=8):
+        m = tokens * topk
+        w = nvfp4.quantize(jnp.ones((e, n, k), jnp.float32), keep_axes=(0,))
+        x = jnp.ones((m, k), jnp.bfloat16)
+        sizes = jnp.asarray(np.full(e, m // e), jnp.int32)
+        cfg = NM.gemm_config(-(-m // e), n, k, programs_per_row_tile=e)
+        xq, rq = pk.quantize_activations_rac(x, rac_ratio=rho, act_scale="token", backend="xla")
+        gw = (jnp.ones((e,), jnp.float32),)
+
+        def f(xq, rq):
+            a, gx, r = NM.activation_operands(x, xq, rq, cfg)
+            return NG._grouped_call(a, gx, r, (w.codes,), (NM._bits(w.scales),), gw, sizes, cfg=cfg, out_dtype=jnp.float32, interpret=False)
+
+        return (lambda: jax.jit(f).trace(xq, rq).lower(lowering_platforms=("cuda",))), cfg
+
+    for name, (fn, cfg) in (
+        ("dense T16 4096x14336 rho0", dense(16, 14336, 4096, 0.0)),
+        ("dense T16 4096x14336 rho0.5", dense(16, 14336, 4096, 0.5)),
+        ("dense T64 4096x14336 rho0", dense(64, 14336, 4096, 0.0)),
+        ("dense T64 4096x14336 rho0.5", dense(64, 14336, 4096, 0.5)),
+        ("grouped 64 tok 1024x512 rho0", grouped(64, 512, 1024, 0.0)),
+        ("grouped 64 tok 1024x512 rho0.5", grouped(64, 512, 1024, 0.5)),
+    ):
+        values = cfg.block_n * cfg.block_k // (32 * cfg.num_warps)
+        yield name, fn, cfg, values
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--triton-python", required=True, help="a Python with triton==3.6.0 installed (no GPU needed)")
+    ap.add_argument("--out", default=None, help="write sass_offline.json and .md here")
+    a = ap.parse_args()
+    captured = capture_ttir()
+    import jax
+
+    rows = []
+    tmp = tempfile.mkdtemp()
+    for i, (name, lower, cfg, values) in enumerate(cases()):
+        jax.clear_caches()
+        lower()
+        path = os.path.join(tmp, f"k{i}.ttir")
+        open(path, "w").write(captured[-1])
+        r = subprocess.run([a.triton_python, "-c", COMPILE, path, str(cfg.num_warps), str(cfg.num_stages)], capture_output=True, text=True)
+        row = {"kernel": name, "config": dataclasses.asdict(cfg), "values_per_thread_per_iteration": values}
+        if r.returncode:
+            row["error"] = r.stderr[-800:]
+        else:
+            res = re.search(r"REG:(\d+)\s+STACK:(\d+)", r.stdout)
+            n, body = main_loop(open(path + ".sass").read())
+            row.update(registers=int(res.group(1)) if res else None, stack_bytes=int(res.group(2)) if res else None,
+                       loop_instructions=n, instructions_per_value=round(n / values, 2), loop_spill_ops=body["LDL"] + body["STL"],
+                       loop_opcodes=dict(body.most_common(12)))
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "config"}), flush=True)
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        json.dump(rows, open(os.path.join(a.out, "sass_offline.json"), "w"), indent=1)
+        lines = ["| kernel | registers | loop instructions | per weight value | spill ops in loop | top opcodes |", "|---|---|---|---|---|---|"]
+        for r in rows:
+            top = ", ".join(f"{k} {v}" for k, v in list(r.get("loop_opcodes", {}).items())[:6])
+            lines.append(f"| {r['kernel']} | {r.get('registers')} | {r.get('loop_instructions')} | {r.get('instructions_per_value')} | {r.get('loop_spill_ops')} | {top} |")
+        open(os.path.join(a.out, "sass_offline.md"), "w").write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
