@@ -2,18 +2,24 @@
 main loop that loads the weight codes as uint32 words (8 codes) and decodes each word with
 four single-output inline-PTX programs (a BF16 pair each), feeding eight K = bk/8 MMAs in a
 permuted channel order. It measures what the word layout would save in the compiled loop:
-see benchmarks/results/2026-12-04-offline-sass/README.md. Run as sass_offline.py (needs
-/tmp/dump_ttir.py-style lowering helpers; kept as the record of the experiment)."""
-import sys, types, subprocess, functools
-sys.argv = sys.argv[:1]
-exec(open("/tmp/dump_ttir.py").read().split('if __name__ == "__main__":')[0])
-import jax, jax.numpy as jnp
+see benchmarks/results/2026-12-04-offline-sass/README.md. Usage:
+    PYTHONPATH=. python benchmarks/probe_word_decode.py /path/to/python-with-triton"""
+import functools
+import os
+import subprocess
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(__file__))
+from sass_offline import COMPILE, capture_ttir, main_loop  # noqa: E402
+
+captured = capture_ttir()
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import tile_math as TM
 from quads_jax import nvfp4
-sys.path.insert(0, "benchmarks")
-from sass_offline import main_loop
 
 def word_ptx(shift, half):
     """One bf16x2 word: the nibbles at ``shift`` of bytes (0, 1) (half 0) or (2, 3) (half 1)."""
@@ -65,8 +71,9 @@ f = lambda a, wc, ws: pl.pallas_call(functools.partial(kernel, bn=bn, bk=bk, ste
     out_shape=jax.ShapeDtypeStruct((split, 16, n), jnp.float32), grid=(1, n // bn, split),
     compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=4), name="probe")(a, wc, ws)
 jax.jit(f).trace(a, wc, ws).lower(lowering_platforms=("cuda",))
-p = "/tmp/probe_words.ttir"; open(p, "w").write(captured[-1])
-r = subprocess.run(["/tmp/tvenv/bin/python", "/tmp/compile_ttir.py", p, "4", "4"], capture_output=True, text=True)
-print(r.stdout[-400:], r.stderr[-1500:])
+p = os.path.join(tempfile.mkdtemp(), "probe.ttir")
+open(p, "w").write(captured[-1])
+r = subprocess.run([sys.argv[1], "-c", COMPILE, p, "4", "4"], capture_output=True, text=True)  # argv[1]: a Python with triton
+print(r.stderr[-1500:] if r.returncode else "")
 n_, body = main_loop(open(p + ".sass").read())
 print("loop", n_, "per value", n_ / 64, dict(body.most_common(14)))
