@@ -81,8 +81,9 @@ def capture_ttir():
     return captured
 
 
-def cases():
-    """(name, lower(), cfg, weight values per loop iteration per thread) of the decode GEMMs."""
+def cases(override=None):
+    """(name, lower(), cfg, weight values per loop iteration per thread) of the decode GEMMs;
+    ``override`` replaces GemmConfig fields of the heuristic's tiles (e.g. decode="words")."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -97,7 +98,7 @@ def cases():
     def dense(t, n, k, rho):
         w = nvfp4.quantize(jnp.ones((n, k), jnp.float32))
         x = jnp.ones((t, k), jnp.bfloat16)
-        cfg = NM.gemm_config(t, n, k)
+        cfg = dataclasses.replace(NM.gemm_config(t, n, k), **(override or {}))
         xq, rq = pk.quantize_activations_rac(x, rac_ratio=rho, act_scale="token", backend="xla")
 
         def f(xq, rq):
@@ -111,7 +112,7 @@ def cases():
         w = nvfp4.quantize(jnp.ones((e, n, k), jnp.float32), keep_axes=(0,))
         x = jnp.ones((m, k), jnp.bfloat16)
         sizes = jnp.asarray(np.full(e, m // e), jnp.int32)
-        cfg = NM.gemm_config(-(-m // e), n, k, programs_per_row_tile=e)
+        cfg = dataclasses.replace(NM.gemm_config(-(-m // e), n, k, programs_per_row_tile=e), **(override or {}))
         xq, rq = pk.quantize_activations_rac(x, rac_ratio=rho, act_scale="token", backend="xla")
         gw = (jnp.ones((e,), jnp.float32),)
 
@@ -137,13 +138,19 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--triton-python", required=True, help="a Python with triton==3.6.0 installed (no GPU needed)")
     ap.add_argument("--out", default=None, help="write sass_offline.json and .md here")
+    ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                    help="GemmConfig fields to override in every case, e.g. --set decode=words")
     a = ap.parse_args()
     captured = capture_ttir()
     import jax
 
     rows = []
     tmp = tempfile.mkdtemp()
-    for i, (name, lower, cfg, values) in enumerate(cases()):
+    override = {}
+    for kv in a.set:
+        f, v = kv.split("=", 1)
+        override[f] = int(v) if v.isdigit() else (v == "True" if v in ("True", "False") else v)
+    for i, (name, lower, cfg, values) in enumerate(cases(override)):
         jax.clear_caches()
         lower()
         path = os.path.join(tmp, f"k{i}.ttir")

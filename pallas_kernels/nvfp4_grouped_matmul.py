@@ -22,7 +22,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from quads_jax import nvfp4
 from pallas_kernels import backend as _backend
-from pallas_kernels.tile_math import pad_axis
+from pallas_kernels.tile_math import codes_to_words, pad_axis
 from pallas_kernels.nvfp4_matmul import (
     GemmConfig,
     _bits,
@@ -109,8 +109,10 @@ def _grouped_call(a, gx, r, wc, ws, gw, group_sizes, *, cfg, out_dtype, interpre
     """One launch for the expert weights (tuples ``wc``, ``ws``, ``gw``, one entry a weight
     [E, N_i, K]) that share the rows: a tuple of [M, N_i] outputs."""
     m_real = a[0].shape[0]
-    k = wc[0].shape[-1] * 2
+    k = ws[0].shape[-1] * 16
     ns = tuple(c.shape[1] for c in wc)
+    if cfg.decode == "words":  # uint8 codes are converted here (a copy); prepared weights come as words
+        wc = tuple(map(codes_to_words, wc))
     items, cap = work_items(group_sizes, m_real, cfg.block_m)
     rac_on = r is not None
     if interpret:  # interpret mode clamps out-of-range slices instead of masking them

@@ -37,7 +37,7 @@ from pallas_kernels import backend as _backend
 from pallas_kernels import rac
 from pallas_kernels.nvfp4_decode import nvfp4_block_values
 from pallas_kernels.quantize_activations import QuantizedRows, quantize_activations_rac
-from pallas_kernels.tile_math import decode_tile, load_even_odd, pad_axis  # noqa: F401  (decode_tile re-exported)
+from pallas_kernels.tile_math import codes_to_words, decode_tile, decode_words, load_even_odd, pad_axis, to_word_parts_order  # noqa: F401
 
 MODES = ("w4a4", "w4a16")
 
@@ -66,12 +66,12 @@ def gemm_tile_loop(*, kt_start, steps, cfg, load_a, load_r, load_w, interpret):
 
     def body(i, acc):
         kt = kt_start + i
-        w_lo, w_hi = load_w(kt)
-        a_lo, a_hi = load_a(kt)
-        acc = acc + pair(a_lo, w_lo) + pair(a_hi, w_hi)
+        w_parts = load_w(kt)  # the tile's channels split in parts (even/odd, or the 8 word parts)
+        for a, w in zip(load_a(kt), w_parts):
+            acc = acc + pair(a, w)
         if load_r is not None:
-            r_lo, r_hi = load_r(kt)
-            acc = acc + pair(r_lo, w_lo) + pair(r_hi, w_hi)
+            for r, w in zip(load_r(kt), w_parts):
+                acc = acc + pair(r, w)
         return acc
 
     acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((bn, bm) if cfg.swap_ab else (bm, bn), jnp.float32))
@@ -80,11 +80,19 @@ def gemm_tile_loop(*, kt_start, steps, cfg, load_a, load_r, load_w, interpret):
 
 def make_loaders(*, a_refs, r_refs, w_refs, row_sl, row_ok, col_sl, col_ok, cfg, interpret, w_index=()):
     """Tile loaders for activations and residual (one BF16 ref, or codes and scale bits) and
-    the weight codes."""
+    the weight codes. Each returns the tile's channels in parts, the same parts for every
+    operand: the even and odd channels, or with ``decode="words"`` the eight word parts
+    (``tile_math.WORD_CHANNELS``; BF16 activations then come in that order, see
+    ``activation_operands``)."""
     bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
     wc_ref, ws_ref = w_refs
+    words = cfg.decode == "words"
 
     def load_w(kt):
+        if words:
+            wc = plgpu.load(wc_ref.at[(*w_index, col_sl, pl.ds(kt * (bk // 8), bk // 8))], mask=col_ok, other=0)
+            ws = plgpu.load(ws_ref.at[(*w_index, col_sl, pl.ds(kt * (bk // 16), bk // 16))], mask=col_ok, other=0)
+            return decode_words(wc, ws, bn, bk, interpret)
         wc = plgpu.load(wc_ref.at[(*w_index, col_sl, pl.ds(kt * (bk // 2), bk // 2))], mask=col_ok, other=0)
         if cfg.scale_load == "gather":  # scale byte j // 8 for packed column j: no reshape
             rows = (col_sl.start + jnp.arange(bn))[:, None]
@@ -98,18 +106,25 @@ def make_loaders(*, a_refs, r_refs, w_refs, row_sl, row_ok, col_sl, col_ok, cfg,
         c_ref, s_ref = refs
 
         def load(kt):
-            c = plgpu.load(c_ref.at[row_sl, pl.ds(kt * (bk // 2), bk // 2)], mask=row_ok, other=0)
             s = plgpu.load(s_ref.at[row_sl, pl.ds(kt * (bk // 16), bk // 16)], mask=row_ok, other=0)
-            lo, hi = decode_tile(c, s, bm, bk, cfg.decode, interpret)
+            if words:
+                c = plgpu.load(c_ref.at[row_sl, pl.ds(kt * (bk // 8), bk // 8)], mask=row_ok, other=0)
+                parts = decode_words(c, s, bm, bk, interpret)
+            else:
+                c = plgpu.load(c_ref.at[row_sl, pl.ds(kt * (bk // 2), bk // 2)], mask=row_ok, other=0)
+                parts = decode_tile(c, s, bm, bk, cfg.decode, interpret)
             if factor is None:
-                return lo, hi
+                return tuple(parts)
             f = jnp.asarray(factor, jnp.bfloat16)  # a power of two: exact
-            return lo * f, hi * f
+            return tuple(p * f for p in parts)
 
         return load
 
     def load_values(x_ref):
         def load(kt):
+            if words:  # laid out in word-part order by activation_operands: contiguous slices
+                return tuple(plgpu.load(x_ref.at[row_sl, pl.ds(kt * bk + p * (bk // 8), bk // 8)], mask=row_ok, other=0.0)
+                             .astype(jnp.bfloat16) for p in range(8))
             even, odd = load_even_odd(x_ref, row_sl, kt * bk, bk, row_ok, interpret, other=0.0)
             return even.astype(jnp.bfloat16), odd.astype(jnp.bfloat16)
 
@@ -134,16 +149,20 @@ def activation_operands(x, xq, rq, cfg):
     """The GEMM's activation inputs: (a, gx, r) with a and r either (BF16 values,) or (codes,
     scale bits). ``xq`` None is w4a16 (BF16 x, no global scale). With ``cfg.act_load ==
     "values"`` the quantized operands enter as their BF16 block values (exact), decoded once
-    here instead of once per program."""
+    here instead of once per program. With ``cfg.decode == "words"`` codes enter as uint32
+    words and values in the word parts' channel order (``tile_math.to_word_parts_order``)."""
+    words = cfg.decode == "words"
+    order = (lambda v: to_word_parts_order(v, cfg.block_k)) if words else (lambda v: v)
     if xq is None:
-        return (x,), None, None
+        return (order(x),), None, None
     if cfg.act_load == "values":
-        a = (nvfp4.block_values(xq, jnp.bfloat16),)
+        a = (order(nvfp4.block_values(xq, jnp.bfloat16)),)
         # scaled by the residual's global-scale factor (a power of two: exact), see gemm_tile_loop
-        r = None if rq is None else (nvfp4.block_values(rq, jnp.bfloat16) * jnp.bfloat16(rac.RESIDUAL_SCALE_FACTOR),)
+        r = None if rq is None else (order(nvfp4.block_values(rq, jnp.bfloat16) * jnp.bfloat16(rac.RESIDUAL_SCALE_FACTOR)),)
     else:
-        a = (xq.codes, _bits(xq.scales))
-        r = None if rq is None else (rq.codes, _bits(rq.scales))
+        codes = codes_to_words if words else (lambda c: c)
+        a = (codes(xq.codes), _bits(xq.scales))
+        r = None if rq is None else (codes(rq.codes), _bits(rq.scales))
     return a, xq.global_scale, r
 
 
@@ -209,8 +228,10 @@ def _gemm_call(a, gx, r, wc, ws, gw, *, cfg, out_dtype, interpret):
     """One launch for the weights (codes ``wc``, scale bits ``ws``, global scales ``gw``:
     tuples, one entry a weight) that share the activations: a tuple of [T, N_i] outputs."""
     t_real = a[0].shape[0]
-    k = wc[0].shape[-1] * 2
+    k = ws[0].shape[-1] * 16
     ns = tuple(c.shape[0] for c in wc)
+    if cfg.decode == "words":  # uint8 codes are converted here (a copy); prepared weights come as words
+        wc = tuple(map(codes_to_words, wc))
     rac_on = r is not None
     if interpret:  # interpret mode clamps out-of-range slices instead of masking them
         t_pad = pl.cdiv(t_real, cfg.block_m) * cfg.block_m

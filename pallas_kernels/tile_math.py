@@ -211,3 +211,95 @@ def prmt_decode_emulated(words):
         return np.stack([w0 & 0xFFFF, w0 >> 16, w1 & 0xFFFF, w1 >> 16], axis=-1).astype(np.uint16)
 
     return nibbles(words), nibbles(words >> np.uint32(4))
+
+
+# ----------------------------------------------------------------------------- codes as 32-bit words
+#
+# decode="words": the weight codes enter the kernel as uint32 words of 8 codes (the same bytes,
+# little-endian: channel 8w + j at bits 4j..4j+3). Each word is decoded by four single-output
+# PTX programs, one BF16 pair each, into eight parts: part p holds channel WORD_CHANNELS[p] of
+# every group of 8. The K sum runs over the parts (eight MMAs of K = bk / 8), so the
+# activations enter in the same channel order. Triton then never unpacks uint8 elements or
+# repacks them around the assembly (offline SASS: 566 against 700 loop instructions).
+
+WORD_CHANNELS = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+def _word_pair_ptx(shift: int, half: int) -> str:
+    """PTX: the nibbles at bit ``shift`` of bytes (2 half, 2 half + 1) of word $1, times the
+    BF16 scale pair $2 -> one BF16x2 word $0 (the first byte's value in the low half)."""
+    src = "$1" if shift == 0 else "qc"
+    pair = PAIR_01 if half == 0 else PAIR_23
+    sign = f"and.b32 qsg, {src}, 0x808;" if half == 0 else f"shr.u32 qsg, {src}, 16;\n    and.b32 qsg, qsg, 0x808;"
+    return (
+        "{\n    .reg .b32 qt, qsel, qhi, qlo, qm, qsg, qc, qha, qhb, qla, qlb;\n"
+        f"    mov.b32 qha, {_word(HI_BYTES, 0):#x};\n    mov.b32 qhb, {_word(HI_BYTES, 4):#x};\n"
+        f"    mov.b32 qla, {_word(LO_BYTES, 0):#x};\n    mov.b32 qlb, {_word(LO_BYTES, 4):#x};\n"
+        f"    shr.u32 qc, $1, {shift};\n    and.b32 qt, {src}, 0x07070707;\n"
+        "    shr.u32 qsel, qt, 12;\n    or.b32 qsel, qsel, qt;\n"
+        "    prmt.b32 qhi, qha, qhb, qsel;\n    prmt.b32 qlo, qla, qlb, qsel;\n"
+        f"    prmt.b32 qm, qlo, qhi, {pair:#x};\n    mul.rn.bf16x2 qm, qm, $2;\n    {sign}\n"
+        f"    mul.lo.u32 qsg, qsg, {SIGN_SPREAD:#x};\n    and.b32 qsg, qsg, 0x80008000;\n    or.b32 $0, qm, qsg;\n}}"
+    )
+
+
+WORD_DECODE_PTX = tuple(_word_pair_ptx(shift, half) for shift in (0, 4) for half in (0, 1))  # parts (0,1) (2,3) (4,5) (6,7)
+
+
+def codes_to_words(codes):
+    """Packed codes [..., K/2] uint8 -> [..., K/8] uint32 words (the same bytes, little-endian).
+    An XLA op that copies the codes: the engine converts its weights once, not per call."""
+    if codes.dtype == jnp.uint32:
+        return codes
+    b = codes.astype(jnp.uint32).reshape(*codes.shape[:-1], codes.shape[-1] // 4, 4)
+    return b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
+
+
+def to_word_parts_order(v, bk: int):
+    """Activation values [T, K] -> the same values with each K tile of ``bk`` channels laid out
+    as the eight word parts (part p: channel WORD_CHANNELS[p] of each group of 8), so that
+    part p of tile kt is the contiguous slice kt * bk + p * bk / 8 of length bk / 8."""
+    t, k = v.shape
+    g = v.reshape(t, k // bk, bk // 8, 8)[..., jnp.asarray(WORD_CHANNELS)]
+    return jnp.swapaxes(g, 2, 3).reshape(t, k)
+
+
+def decode_words(words, scale_bits, rows, bk, interpret=False):
+    """Code words [rows, bk/8] and E4M3 scale bits [rows, bk/16] -> the eight BF16 parts
+    [rows, bk/8] of the tile's block values (exact), in WORD_CHANNELS order."""
+    s = nvfp4.decode_e4m3_bf16(scale_bits.astype(jnp.int32))  # [rows, bk/16]
+    if interpret:
+        s = jnp.broadcast_to(s[:, :, None], (rows, bk // 16, 2)).reshape(rows, bk // 8)
+        w = words.astype(jnp.uint32)
+        return [nvfp4.decode_e2m1_bf16(((w >> (4 * ch)) & 15).astype(jnp.int32)) * s for ch in WORD_CHANNELS]
+    s16 = jax.lax.bitcast_convert_type(s, jnp.uint16).astype(jnp.uint32)
+    s2 = jnp.broadcast_to((s16 * 0x10001)[:, :, None], (rows, bk // 16, 2)).reshape(rows, bk // 8)
+    parts = []
+    for ptx in WORD_DECODE_PTX:
+        [o] = plgpu.elementwise_inline_asm(ptx, args=[words, s2], constraints="=r,r,r", pack=1,
+                                           result_shape_dtypes=[jax.ShapeDtypeStruct(words.shape, jnp.int32)])
+        for q in (0, 1):
+            parts.append(jax.lax.bitcast_convert_type(((o >> (16 * q)) & 0xFFFF).astype(jnp.uint16), jnp.bfloat16))
+    return parts
+
+
+def word_decode_emulated(words):
+    """The integer steps of ``WORD_DECODE_PTX`` on uint32 numpy words, without the scale
+    product: [n, 8] BF16 bit patterns in WORD_CHANNELS order (for the CPU tests)."""
+    import numpy as np
+
+    words = np.asarray(words, np.uint32)
+    full = lambda v: np.full_like(words, v, dtype=np.uint32)
+    hia, hib, loa, lob = (full(_word(t, s)) for t in (HI_BYTES, LO_BYTES) for s in (0, 4))
+    out = []
+    for shift in (0, 4):
+        c = words >> np.uint32(shift)
+        t = c & np.uint32(0x07070707)
+        sel = t | (t >> np.uint32(12))
+        hi, lo = _prmt(hia, hib, sel), _prmt(loa, lob, sel)
+        for half, pair in ((0, PAIR_01), (1, PAIR_23)):
+            m = _prmt(lo, hi, np.full_like(c, pair))
+            src = c if half == 0 else c >> np.uint32(16)
+            m = m | (((src & np.uint32(0x808)) * np.uint32(SIGN_SPREAD)) & np.uint32(0x80008000))
+            out += [m & 0xFFFF, m >> 16]
+    return np.stack(out, axis=-1).astype(np.uint16)

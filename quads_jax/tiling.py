@@ -21,7 +21,9 @@ class GemmConfig:
     # weight-tile decode: "arith" (float32 select chain, then BF16) or "bits" (BF16 bit
     # patterns, one BF16 product by the scale) or "prmt" (four code bytes at a time through
     # PTX byte permutes, pallas_kernels.tile_math; compiled kernels only, interpret mode runs
-    # "bits"); all exact, so the same numbers
+    # "bits"), or "words" (codes as uint32 words of 8, four PTX programs a word, eight K parts:
+    # no uint8 repacking; compiled kernels use PTX, interpret mode the bit decode); all exact,
+    # so the same numbers
     decode: str = "bits"
     # block scales: "reshape" (load [rows, bk/16], broadcast + reshape in registers) or
     # "gather" (load each scale byte once per channel pair: [rows, bk/2], no reshape)
@@ -51,6 +53,10 @@ class GemmConfig:
             raise ValueError(f"GemmConfig.path={self.path!r}: expected one of {PATHS}")
         if self.scale_load not in SCALE_LOADS:
             raise ValueError(f"GemmConfig.scale_load={self.scale_load!r}: expected one of {SCALE_LOADS}")
+        if self.decode == "words" and self.scale_load != "reshape":
+            raise ValueError("GemmConfig.decode='words' loads one scale per 16 channels: it needs scale_load='reshape'")
+        if self.decode == "words" and self.block_k < 128:
+            raise ValueError(f"GemmConfig.block_k={self.block_k}: decode='words' splits a K tile in 8 MMAs of block_k / 8 >= 16 channels")
         for f in ("block_m", "block_n", "block_k"):
             v = getattr(self, f)
             if v < 16 or v & (v - 1):
@@ -59,7 +65,7 @@ class GemmConfig:
             raise ValueError(f"GemmConfig.block_k={self.block_k}: expected >= 32 (two 16-channel blocks)")
 
 
-DECODES = ("arith", "bits", "prmt")
+DECODES = ("arith", "bits", "prmt", "words")
 SCALE_LOADS = ("reshape", "gather")
 PATHS = ("fused", "dequant")
 ACT_LOADS = ("codes", "values")

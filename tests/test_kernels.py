@@ -180,11 +180,14 @@ def test_prmt_decode_steps_equal_the_e2m1_grid():
 
 
 @pytest.mark.parametrize("decode,scale_load,swap_ab,act_load", [("bits", "reshape", False, "codes"), ("arith", "gather", False, "values"),
-                                                                 ("bits", "gather", True, "codes"), ("prmt", "reshape", True, "values")])
+                                                                 ("bits", "gather", True, "codes"), ("prmt", "reshape", True, "values"),
+                                                                 ("words", "reshape", True, "values"), ("words", "reshape", True, "codes"),
+                                                                 ("words", "reshape", False, "values")])
 def test_gemm_decode_variants_equal_xla(rng, decode, scale_load, swap_ab, act_load):
     x = jnp.asarray(heavy(rng, (21, 256))).astype(jnp.bfloat16)
     w = nvfp4.quantize(jnp.asarray(rng.standard_normal((80, 256)).astype(np.float32)))
-    cfg = pk.GemmConfig(block_m=16, block_n=32, block_k=64, split_k=2, decode=decode, scale_load=scale_load, swap_ab=swap_ab,
+    bk = 128 if decode == "words" else 64
+    cfg = pk.GemmConfig(block_m=16, block_n=32, block_k=bk, split_k=2, decode=decode, scale_load=scale_load, swap_ab=swap_ab,
                         act_load=act_load)
     for kw in ({"rac_ratio": 0.5}, {"mode": "w4a16"}):
         a = pk.nvfp4_matmul(x, w, backend="xla", out_dtype=jnp.float32, **kw)
@@ -196,6 +199,29 @@ def test_gemm_decode_variants_equal_xla(rng, decode, scale_load, swap_ab, act_lo
         a = pk.nvfp4_grouped_matmul(x, wg, sizes, rac_ratio=0.5, backend="xla", out_dtype=jnp.float32)
         b = pk.nvfp4_grouped_matmul(x, wg, sizes, rac_ratio=0.5, backend="pallas", out_dtype=jnp.float32, config=cfg)
         assert rel(b, a) < 1e-5
+
+
+def test_word_decode_steps_and_layout_equal_the_format():
+    """decode='words': the emulated integer steps of the four PTX programs give every code's
+    BF16 bits in the WORD_CHANNELS order; the byte-to-word packing and the activations'
+    part order are the matching permutations."""
+    from pallas_kernels import tile_math
+
+    rng = np.random.default_rng(3)
+    words = rng.integers(0, 2**32, 512, dtype=np.uint64).astype(np.uint32)
+    got = tile_math.word_decode_emulated(words)  # [512, 8]
+    want = lambda c: np.asarray(jax.lax.bitcast_convert_type(nvfp4.decode_e2m1_bf16(jnp.asarray(c, jnp.int32)), jnp.uint16))
+    for p, ch in enumerate(tile_math.WORD_CHANNELS):
+        np.testing.assert_array_equal(got[:, p], want((words >> np.uint32(4 * ch)) & np.uint32(15)))
+    codes = jnp.asarray(rng.integers(0, 256, (3, 64), dtype=np.uint8))
+    w = np.asarray(tile_math.codes_to_words(codes))
+    np.testing.assert_array_equal(w.view(np.uint8).reshape(3, 64), np.asarray(codes))  # the same bytes, little-endian
+    v = jnp.arange(2 * 256, dtype=jnp.float32).reshape(2, 256)
+    o = np.asarray(tile_math.to_word_parts_order(v, 128))
+    assert o[0, 16] == 2 and o[0, 31] == 8 * 15 + 2 and o[0, 128 + 127] == 128 + 8 * 15 + 7  # part 1 = channel 2, ...
+    np.testing.assert_array_equal(np.sort(o, axis=1), np.asarray(v))
+    with pytest.raises(ValueError, match="block_k"):
+        pk.GemmConfig(block_m=16, block_n=32, block_k=64, decode="words")
 
 
 def test_prefill_path_dequant_equals_xla_and_is_the_large_t_default(rng):
