@@ -11,6 +11,7 @@
 #   train         nvfp4_w QAT overhead against BF16 (#4)
 #   fused_check   the one-launch GEMMs over weights sharing an input, against XLA (gates the rollout's use)
 #   rollout       output tok/s, 256 prompts x 512 new tokens, batch 64 (#5)
+#   rollout_words the rollout of quads and nvfp4 with QUADS_GEMM_DECODE=words (code-word weights)
 #   ncu           Nsight Compute on the NVFP4 kernels at decode shapes (benchmarks/ncu_probe.py):
 #                 registers, occupancy, DRAM throughput, warp stalls, and their SASS (#8)
 # The device returns only a few files: each stage's log and outputs are appended to one tar,
@@ -22,7 +23,7 @@ o="${OUT:-runs/gpu}"
 mkdir -p "$o"
 export PYTHONUNBUFFERED=1 PYTHONPATH=.:/tmp/site:${PYTHONPATH:-} TRITON_HOME=/tmp/triton_home TRITON_CACHE_DIR=/tmp/triton_cache
 mkdir -p "$TRITON_HOME" "$TRITON_CACHE_DIR"
-ALL="triton_smoke fused_check rollout ncu decode grouped sass prefill triton swap train"
+ALL="triton_smoke fused_check rollout rollout_words ncu decode grouped sass prefill triton swap train"
 STAGES="${STAGES:-$ALL}"  # run in the order given
 RECIPES="${RECIPES:-quads,fp8,nvfp4,bf16}"
 DEADLINE="${DEADLINE:-575}"  # seconds from the start: no stage runs past it, so every log gets saved
@@ -53,6 +54,8 @@ run_stage() {
         export QUADS_FUSE_SHARED_INPUT=0; echo "   failed: QUADS_FUSE_SHARED_INPUT=0 from here on"; fi
       grep -E "worst|Error" "$o/fused_check.log" | tail -3 | cut -c1-400
       (cd "$o" && tar -rf results.tar fused_check.log && rm -f fused_check.log) ;;
+    rollout_words) QUADS_GEMM_DECODE=words stage "${ROLLOUT_CAP:-250}" rollout_words python3 benchmarks/bench_model.py --skip-train \
+               --out "$o/rollout_words" --prompts 256 --new-tokens 512 --decode-batch 64 --recipes quads,nvfp4 --backends pallas ;;
     ncu) stage "${NCU_CAP:-120}" ncu bash benchmarks/ncu_stage.sh "$o/ncu" ;;
     rollout) stage "${ROLLOUT_CAP:-250}" rollout python3 benchmarks/bench_model.py --skip-train --out "$o/rollout" --prompts 256 \
                --new-tokens 512 --decode-batch 64 --recipes "$RECIPES" --backends pallas ;;

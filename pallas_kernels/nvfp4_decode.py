@@ -84,11 +84,12 @@ def nvfp4_block_values(t: nvfp4.NVFP4Tensor, *, dtype=jnp.bfloat16, backend=None
         raise ValueError(f"t: expected an NVFP4Tensor, got {type(t).__name__}")
     if _backend.resolve(backend) == "xla" or t.axis != t.ndim - 1:
         return nvfp4_block_values_xla(t, dtype=dtype)
-    kp = t.codes.shape[-1]
+    codes = nvfp4.code_bytes(t.codes)  # word codes (prepared weights) are read as bytes here
+    kp = codes.shape[-1]
     cfg = config or DecodeConfig(block_bytes=next(b for b in (128, 64, 32, 16, 8) if kp % b == 0))
     if kp % cfg.block_bytes:
         raise ValueError(f"config: block_bytes={cfg.block_bytes} does not divide the {kp} packed bytes per row")
-    codes = t.codes.reshape(-1, kp)
+    codes = codes.reshape(-1, kp)
     bits = jax.lax.bitcast_convert_type(t.scales, jnp.uint8).reshape(-1, kp // 8)
     v = _decode_call(codes, bits, cfg=cfg, interpret=_backend.interpret_mode())
     return v.reshape(t.shape).astype(dtype)

@@ -111,8 +111,9 @@ def _grouped_call(a, gx, r, wc, ws, gw, group_sizes, *, cfg, out_dtype, interpre
     m_real = a[0].shape[0]
     k = ws[0].shape[-1] * 16
     ns = tuple(c.shape[1] for c in wc)
-    if cfg.decode == "words":  # uint8 codes are converted here (a copy); prepared weights come as words
-        wc = tuple(map(codes_to_words, wc))
+    # decode="words" reads uint32 code words, the others bytes: a weight in the other form is
+    # converted here (an XLA op that copies it); prepared weights come in the default's form
+    wc = tuple(map(codes_to_words if cfg.decode == "words" else nvfp4.code_bytes, wc))
     items, cap = work_items(group_sizes, m_real, cfg.block_m)
     rac_on = r is not None
     if interpret:  # interpret mode clamps out-of-range slices instead of masking them

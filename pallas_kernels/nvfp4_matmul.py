@@ -230,8 +230,9 @@ def _gemm_call(a, gx, r, wc, ws, gw, *, cfg, out_dtype, interpret):
     t_real = a[0].shape[0]
     k = ws[0].shape[-1] * 16
     ns = tuple(c.shape[0] for c in wc)
-    if cfg.decode == "words":  # uint8 codes are converted here (a copy); prepared weights come as words
-        wc = tuple(map(codes_to_words, wc))
+    # decode="words" reads uint32 code words, the others bytes: a weight in the other form is
+    # converted here (an XLA op that copies it); prepared weights come in the default's form
+    wc = tuple(map(codes_to_words if cfg.decode == "words" else nvfp4.code_bytes, wc))
     rac_on = r is not None
     if interpret:  # interpret mode clamps out-of-range slices instead of masking them
         t_pad = pl.cdiv(t_real, cfg.block_m) * cfg.block_m

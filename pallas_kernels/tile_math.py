@@ -247,12 +247,9 @@ WORD_DECODE_PTX = tuple(_word_pair_ptx(shift, half) for shift in (0, 4) for half
 
 
 def codes_to_words(codes):
-    """Packed codes [..., K/2] uint8 -> [..., K/8] uint32 words (the same bytes, little-endian).
-    An XLA op that copies the codes: the engine converts its weights once, not per call."""
-    if codes.dtype == jnp.uint32:
-        return codes
-    b = codes.astype(jnp.uint32).reshape(*codes.shape[:-1], codes.shape[-1] // 4, 4)
-    return b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
+    """Packed codes -> uint32 code words (``nvfp4.code_words``; words stay as they are). On
+    uint8 codes an XLA op that copies them: prepared weights hold words already."""
+    return nvfp4.code_words(codes)
 
 
 def to_word_parts_order(v, bk: int):

@@ -263,6 +263,29 @@ def unpack_codes(packed, axis: int = -1):
     return jnp.moveaxis(codes, -1, axis)
 
 
+def code_words(codes):
+    """Packed codes [..., K/2] uint8 -> [..., K/8] uint32 words of 8 codes (the same bytes,
+    little-endian: code j of a word at bits 4j..4j+3). Words as given stay as they are."""
+    codes = jnp.asarray(codes)
+    if codes.dtype == jnp.uint32:
+        return codes
+    if codes.dtype != jnp.uint8 or codes.shape[-1] % 4:
+        raise ValueError(f"codes: expected uint8 packed codes with a multiple of 4 bytes a row, got {codes.dtype}{codes.shape}")
+    b = codes.astype(jnp.uint32).reshape(*codes.shape[:-1], codes.shape[-1] // 4, 4)
+    return b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
+
+
+def code_bytes(codes):
+    """The inverse of ``code_words``: uint8 packed codes (uint8 input stays as it is)."""
+    codes = jnp.asarray(codes)
+    if codes.dtype == jnp.uint8:
+        return codes
+    if codes.dtype != jnp.uint32:
+        raise ValueError(f"codes: expected uint8 packed codes or uint32 code words, got {codes.dtype}")
+    b = jnp.stack([(codes >> (8 * i)) & 0xFF for i in range(4)], axis=-1).astype(jnp.uint8)
+    return b.reshape(*codes.shape[:-1], codes.shape[-1] * 4)
+
+
 # ----------------------------------------------------------------------------- tensor
 
 
@@ -271,7 +294,9 @@ def unpack_codes(packed, axis: int = -1):
 class NVFP4Tensor:
     """An NVFP4-quantized array. A pytree: arrays are leaves, layout is static.
 
-    codes:        uint8, ``shape`` with ``shape[axis] // 2`` along ``axis`` (packed).
+    codes:        uint8, ``shape`` with ``shape[axis] // 2`` along ``axis`` (packed); or, for
+                  a tensor quantized along its last axis, the same bytes as uint32 words of
+                  8 codes (``code_words``: what the GEMMs' word decode reads).
     scales:       float8_e4m3fn, ``shape`` with ``shape[axis] // 16`` along ``axis``.
     global_scale: float32, a scalar or an array broadcastable to ``shape`` (keepdims,
                   e.g. [E, 1, 1] for per-expert scales of an [E, N, K] weight).
@@ -289,7 +314,7 @@ class NVFP4Tensor:
 
     @property
     def nbytes(self) -> int:
-        return int(self.codes.size + self.scales.size + 4 * np.size(self.global_scale))
+        return int(self.codes.size * self.codes.dtype.itemsize + self.scales.size + 4 * np.size(self.global_scale))
 
     def dequantize(self, dtype=jnp.float32):
         return dequantize(self, dtype)
@@ -489,7 +514,7 @@ def block_values(t: NVFP4Tensor, dtype=jnp.bfloat16):
     its BF16 MMA, the global scales going to the epilogue."""
     # computed per packed byte in BF16 (both products exact), interleaved once at the end: on
     # the H200 the unpack-first form took 61 us for a 4096 x 4096 operand (run 9)
-    p = jnp.moveaxis(jnp.asarray(t.codes, jnp.uint8), t.axis, -1).astype(jnp.int32)
+    p = jnp.moveaxis(code_bytes(t.codes), t.axis, -1).astype(jnp.int32)
     s = jnp.moveaxis(t.scales, t.axis, -1).astype(jnp.float32).astype(jnp.bfloat16)
     s = jnp.repeat(s, BLOCK // 2, axis=-1)  # one scale per packed byte
     lo, hi = decode_e2m1_bf16(p & 15) * s, decode_e2m1_bf16(p >> 4) * s
@@ -569,7 +594,7 @@ def to_modelopt(t: NVFP4Tensor) -> dict:
     gs = jnp.asarray(t.global_scale, jnp.float32)
     if gs.ndim:
         gs = gs.reshape(gs.shape[: t.ndim - 2]) if gs.size == np.prod(gs.shape[: t.ndim - 2]) else gs
-    return {"weight": t.codes, "weight_scale": t.scales, "weight_scale_2": gs}
+    return {"weight": code_bytes(t.codes), "weight_scale": t.scales, "weight_scale_2": gs}
 
 
 def from_modelopt(weight, weight_scale, weight_scale_2) -> NVFP4Tensor:

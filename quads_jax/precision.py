@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels as pk
-from quads_jax import fp8, nvfp4
+from quads_jax import fp8, nvfp4, tiling
 from quads_jax.config_util import build
 
 KINDS = ("attn", "experts", "shared", "dense", "router", "lm_head")
@@ -132,9 +132,13 @@ def fake_quant_weight(w):
 
 def prepare_weight(w, mode: str):
     """Convert a float weight once for the rollout mode (``w4a4``/``w4a16`` -> NVFP4Tensor,
-    ``fp8`` -> FP8Tensor per output channel, else unchanged)."""
+    ``fp8`` -> FP8Tensor per output channel, else unchanged). NVFP4 codes are stored the way
+    the default GEMM decode reads them (``tiling.DEFAULT_DECODE``: bytes, or code words)."""
     if mode in ("w4a4", "w4a16"):
-        return quantize_weight(jnp.asarray(w, jnp.float32))
+        t = quantize_weight(jnp.asarray(w, jnp.float32))
+        if tiling.DEFAULT_DECODE == "words" and t.codes.shape[-1] % 4 == 0:
+            t = dataclasses.replace(t, codes=nvfp4.code_words(t.codes))
+        return t
     if mode == "fp8":
         t = fp8.quantize(jnp.asarray(w, jnp.float32), axis=-1)
         return fp8.to_kn(t) if t.values.ndim == 3 else t  # experts: ragged_dot's layout, no transpose a call

@@ -5,6 +5,7 @@ plugin imports it where JAX is not installed."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 NUM_SMS = 132  # H200
 
@@ -70,6 +71,13 @@ SCALE_LOADS = ("reshape", "gather")
 PATHS = ("fused", "dequant")
 ACT_LOADS = ("codes", "values")
 PREFILL_DEQUANT_MIN_T = 512  # token count from which the dense GEMM takes path="dequant"
+# the decode-size GEMMs' weight-tile decode: "prmt" (measured best on the H200, run 9-11) or
+# "words" (fewer instructions in the offline SASS, run 11; not measured on the device yet).
+# With "words" the rollout engine stores its NVFP4 weights as code words. A benchmark switch:
+# QUADS_GEMM_DECODE=words. Read at call time.
+DEFAULT_DECODE = os.environ.get("QUADS_GEMM_DECODE", "prmt")
+if DEFAULT_DECODE not in ("prmt", "words"):
+    raise ValueError(f"QUADS_GEMM_DECODE={DEFAULT_DECODE!r}: expected 'prmt' or 'words'")
 
 
 def gemm_config(t: int, n: int, k: int, programs_per_row_tile: int = 1) -> GemmConfig:
@@ -95,5 +103,6 @@ def gemm_config(t: int, n: int, k: int, programs_per_row_tile: int = 1) -> GemmC
     # grouped (programs_per_row_tile > 1): activation codes, 4x less to read than BF16 values
     # for the N / block_n programs of each row tile (run 10, 64 experts, 2048 x 768, 64 tokens:
     # 125 us against 137)
+    decode = DEFAULT_DECODE if bk >= 128 or DEFAULT_DECODE != "words" else "prmt"
     return GemmConfig(block_m=bm, block_n=bn, block_k=bk, split_k=split, num_warps=4, num_stages=4, swap_ab=True,
-                      decode="prmt", act_load="values" if programs_per_row_tile == 1 else "codes")
+                      decode=decode, act_load="values" if programs_per_row_tile == 1 else "codes")

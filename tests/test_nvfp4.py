@@ -333,3 +333,23 @@ def test_block_values_times_global_scale_is_dequantize(shape, axis, keep):
     np.testing.assert_array_equal(np.asarray(v * t.global_scale), ref)
     np.testing.assert_array_equal(np.asarray(F.dequantize(t, jnp.float32)), ref)
     np.testing.assert_array_equal(np.asarray(F.block_values(t, jnp.bfloat16).astype(jnp.float32)), np.asarray(v))
+
+
+def test_code_words_hold_the_same_bytes_and_values():
+    """Codes stored as uint32 words (what the GEMMs' word decode reads): the same bytes,
+    little-endian; block values, dequantization and the ModelOpt export are unchanged."""
+    import dataclasses
+
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((3, 8, 64)), jnp.float32)
+    t = F.quantize(x, keep_axes=(0,))
+    w = F.code_words(t.codes)
+    assert w.dtype == jnp.uint32 and w.shape == (3, 8, 8)
+    np.testing.assert_array_equal(np.asarray(w).view(np.uint8).reshape(3, 8, 32), np.asarray(t.codes))
+    np.testing.assert_array_equal(np.asarray(F.code_bytes(w)), np.asarray(t.codes))
+    tw = dataclasses.replace(t, codes=w)
+    np.testing.assert_array_equal(np.asarray(F.block_values(tw, jnp.float32)), np.asarray(F.block_values(t, jnp.float32)))
+    np.testing.assert_array_equal(np.asarray(F.dequantize(tw)), np.asarray(F.dequantize(t)))
+    np.testing.assert_array_equal(np.asarray(F.to_modelopt(tw)["weight"]), np.asarray(t.codes))
+    assert tw.nbytes == t.nbytes
+    with pytest.raises(ValueError, match="codes"):
+        F.code_words(jnp.zeros((2, 6), jnp.uint8))  # 6 bytes a row: not whole words
