@@ -29,13 +29,11 @@ from pallas_kernels.nvfp4_matmul import (
     _check_args,
     activation_operands,
     as_weights,
-    epilogue,
     gemm_config,
-    gemm_tile_loop,
-    make_loaders,
     pop_operand_refs,
     quantized_operands,
     for_each_weight,
+    output_tile,
     split_weight_refs,
 )
 
@@ -83,21 +81,8 @@ def _grouped_kernel(items_ref, *refs, ns, k, cfg, na, has_gx, nr, interpret):
     row_sl = pl.ds(start, bm)
 
     def tile(i, jn):
-        (wc_ref, ws_ref, gw_ref), out_ref, n = w_refs[i], out_refs[i], ns[i]
-        col_sl = pl.ds(jn * bn, bn)
-        col_ok = (jn * bn + jnp.arange(bn) < n)[:, None]
-        load_a, load_r, load_w = make_loaders(
-            a_refs=a_refs, r_refs=r_refs, w_refs=(wc_ref, ws_ref), row_sl=row_sl, row_ok=row_ok,
-            col_sl=col_sl, col_ok=col_ok, cfg=cfg, interpret=interpret, w_index=(ex,),
-        )
-        steps = k // (cfg.block_k * cfg.split_k)
-        acc = gemm_tile_loop(kt_start=sk * steps, steps=steps, cfg=cfg, load_a=load_a, load_r=load_r, load_w=load_w, interpret=interpret)
-        out = epilogue(acc, gx_ref, row_sl, row_ok, gw_ref[ex])
-        out_mask = row_ok & (jn * bn + jnp.arange(bn) < n)[None, :]
-        if cfg.split_k == 1:
-            plgpu.store(out_ref.at[row_sl, col_sl], out.astype(out_ref.dtype), mask=out_mask)
-        else:
-            plgpu.store(out_ref.at[sk, row_sl, col_sl], out, mask=out_mask)
+        output_tile(a_refs=a_refs, r_refs=r_refs, gx_ref=gx_ref, w_refs=w_refs[i], out_ref=out_refs[i], n=ns[i], jn=jn,
+                    row_sl=row_sl, row_ok=row_ok, sk=sk, k=k, cfg=cfg, interpret=interpret, expert=ex)
 
     @pl.when(end > start)
     def _():

@@ -196,23 +196,32 @@ def _gemm_kernel(*refs, t, ns, k, cfg, na, has_gx, nr, interpret):
     row_ok = (im * bm + jnp.arange(bm) < t)[:, None]
 
     def tile(i, jn):
-        (wc_ref, ws_ref, gw_ref), out_ref, n = w_refs[i], out_refs[i], ns[i]
-        col_sl = pl.ds(jn * bn, bn)
-        col_ok = (jn * bn + jnp.arange(bn) < n)[:, None]
-        load_a, load_r, load_w = make_loaders(
-            a_refs=a_refs, r_refs=r_refs, w_refs=(wc_ref, ws_ref), row_sl=row_sl, row_ok=row_ok,
-            col_sl=col_sl, col_ok=col_ok, cfg=cfg, interpret=interpret,
-        )
-        steps = k // (cfg.block_k * cfg.split_k)
-        acc = gemm_tile_loop(kt_start=sk * steps, steps=steps, cfg=cfg, load_a=load_a, load_r=load_r, load_w=load_w, interpret=interpret)
-        out = epilogue(acc, gx_ref, row_sl, row_ok, gw_ref[0])
-        out_mask = row_ok & (jn * bn + jnp.arange(bn) < n)[None, :]
-        if cfg.split_k == 1:
-            plgpu.store(out_ref.at[row_sl, col_sl], out.astype(out_ref.dtype), mask=out_mask)
-        else:
-            plgpu.store(out_ref.at[sk, row_sl, col_sl], out, mask=out_mask)
+        output_tile(a_refs=a_refs, r_refs=r_refs, gx_ref=gx_ref, w_refs=w_refs[i], out_ref=out_refs[i], n=ns[i], jn=jn,
+                    row_sl=row_sl, row_ok=row_ok, sk=sk, k=k, cfg=cfg, interpret=interpret)
 
     for_each_weight(pl.program_id(1), ns, bn, tile)
+
+
+def output_tile(*, a_refs, r_refs, gx_ref, w_refs, out_ref, n, jn, row_sl, row_ok, sk, k, cfg, interpret, expert=None):
+    """One program's output tile: rows ``row_sl`` x N tile ``jn`` of one weight (``w_refs``:
+    codes, scales, global scales; ``expert`` indexes stacked expert weights), over this
+    program's share of K (split ``sk``), stored to ``out_ref`` (FP32 partials when split)."""
+    wc_ref, ws_ref, gw_ref = w_refs
+    bn = cfg.block_n
+    col_sl = pl.ds(jn * bn, bn)
+    col_ok = (jn * bn + jnp.arange(bn) < n)[:, None]
+    load_a, load_r, load_w = make_loaders(
+        a_refs=a_refs, r_refs=r_refs, w_refs=(wc_ref, ws_ref), row_sl=row_sl, row_ok=row_ok,
+        col_sl=col_sl, col_ok=col_ok, cfg=cfg, interpret=interpret, w_index=() if expert is None else (expert,),
+    )
+    steps = k // (cfg.block_k * cfg.split_k)
+    acc = gemm_tile_loop(kt_start=sk * steps, steps=steps, cfg=cfg, load_a=load_a, load_r=load_r, load_w=load_w, interpret=interpret)
+    out = epilogue(acc, gx_ref, row_sl, row_ok, gw_ref[0 if expert is None else expert])
+    out_mask = row_ok & (jn * bn + jnp.arange(bn) < n)[None, :]
+    if cfg.split_k == 1:
+        plgpu.store(out_ref.at[row_sl, col_sl], out.astype(out_ref.dtype), mask=out_mask)
+    else:
+        plgpu.store(out_ref.at[sk, row_sl, col_sl], out, mask=out_mask)
 
 
 def epilogue(acc, gx_ref, row_sl, row_ok, gw):
