@@ -173,8 +173,12 @@ def _weights(w):
     return (tuple(w), True) if isinstance(w, (tuple, list)) else ((w,), False)
 
 
-def _one_launch(ws):
-    return all(isinstance(wi, nvfp4.NVFP4Tensor) for wi in ws) and (FUSE_SHARED_INPUT or len(ws) == 1)
+def _nvfp4_launches(ws):
+    """The groups of NVFP4 weights launched together (all at once, or one by one with
+    FUSE_SHARED_INPUT off), or None when the weights are not NVFP4."""
+    if not all(isinstance(wi, nvfp4.NVFP4Tensor) for wi in ws):
+        return None
+    return [ws] if FUSE_SHARED_INPUT else [(wi,) for wi in ws]
 
 
 def linear(x, w, mode: str, *, dtype=jnp.bfloat16, rac_ratio: float = 0.0, backend=None):
@@ -184,12 +188,11 @@ def linear(x, w, mode: str, *, dtype=jnp.bfloat16, rac_ratio: float = 0.0, backe
     ws, many = _weights(w)
     lead = x.shape[:-1]
     x2 = x if isinstance(x, pk.QuantizedRows) else x.reshape(-1, x.shape[-1])
-    if not _one_launch(ws) and all(isinstance(wi, nvfp4.NVFP4Tensor) for wi in ws):
-        ys = tuple(linear(x2, wi, mode, dtype=dtype, rac_ratio=rac_ratio, backend=backend) for wi in ws)
-    elif _one_launch(ws):
-        ys = pk.nvfp4_matmul(_bf16(x2), ws, rac_ratio=rac_ratio if mode == "w4a4" else 0.0,
-                             act_scale="token", mode="w4a16" if mode == "w4a16" else "w4a4", backend=backend,
-                             out_dtype=dtype)
+    launches = _nvfp4_launches(ws)
+    if launches is not None:
+        ys = sum((pk.nvfp4_matmul(_bf16(x2), g, rac_ratio=rac_ratio if mode == "w4a4" else 0.0, act_scale="token",
+                                  mode="w4a16" if mode == "w4a16" else "w4a4", backend=backend, out_dtype=dtype)
+                  for g in launches), ())
     else:
         ys = tuple(_linear_one(x2, wi, mode, dtype=dtype, backend=backend) for wi in ws)
     ys = [y.reshape(*lead, y.shape[-1]) for y in ys]
@@ -230,12 +233,12 @@ def grouped_linear(x, w, group_sizes, mode: str, *, dtype=jnp.bfloat16, rac_rati
     W [E, N, K]; ``w`` may be a list of expert weights that read the same rows (gate/up): the
     list of outputs, from one kernel launch when they are NVFP4."""
     ws, many = _weights(w)
-    if not _one_launch(ws) and all(isinstance(wi, nvfp4.NVFP4Tensor) for wi in ws):
-        ys = tuple(grouped_linear(x, wi, group_sizes, mode, dtype=dtype, rac_ratio=rac_ratio, backend=backend) for wi in ws)
-    elif _one_launch(ws):
-        ys = pk.nvfp4_grouped_matmul(_bf16(x), ws, group_sizes,
-                                     rac_ratio=rac_ratio if mode == "w4a4" else 0.0, act_scale="token",
-                                     mode="w4a16" if mode == "w4a16" else "w4a4", backend=backend, out_dtype=dtype)
+    launches = _nvfp4_launches(ws)
+    if launches is not None:
+        ys = sum((pk.nvfp4_grouped_matmul(_bf16(x), g, group_sizes, rac_ratio=rac_ratio if mode == "w4a4" else 0.0,
+                                          act_scale="token", mode="w4a16" if mode == "w4a16" else "w4a4", backend=backend,
+                                          out_dtype=dtype)
+                  for g in launches), ())
     else:
         ys = tuple(_grouped_one(x, wi, group_sizes, mode, dtype=dtype, backend=backend) for wi in ws)
     return list(ys) if many else ys[0]
