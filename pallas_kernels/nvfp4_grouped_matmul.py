@@ -8,7 +8,8 @@ Work is cut into (expert, row tile) items computed from ``group_sizes`` on the d
 item i covers rows [start_i, end_i) of one expert, at most ``block_m`` of them; there are
 at most cdiv(M, block_m) + E items, and programs past the real count exit at once. Each
 program streams one N tile of its expert's weight (decoded once, feeding both MMAs) with
-the same main loop as the dense kernel. Empty experts produce no items.
+the same main loop as the dense kernel. Empty experts produce no items. Several expert
+weights that read the same rows (gate and up) share one launch, as in the dense kernel.
 """
 
 from __future__ import annotations

@@ -12,8 +12,15 @@ to accumulation order, while moving 4.5 bits per weight.
 
 Packed codes hold channel 2j in the low and 2j+1 in the high nibble, so a K-tile splits
 into its even and odd channels: ``A_even @ W_even.T + A_odd @ W_odd.T``, which needs no
-interleave in registers. Block scales (one per 16 channels = 8 packed bytes) are expanded
-along the packed axis with a broadcast + reshape.
+interleave in registers. Block scales (one per 16 channels = 8 packed bytes) are decoded
+to BF16 by integer bit operations and expanded along the packed axis with a broadcast +
+reshape. ``decode="words"`` reads the codes as uint32 words of 8 instead and splits a K
+tile into eight parts (``tile_math.WORD_CHANNELS``), the activations following the same
+channel order.
+
+Several weights that read the same activations (q/k/v, gate/up) go into one launch: their
+N tiles lie side by side on the grid (``for_each_weight``), the activations are quantized
+once, and the result is a tuple of outputs.
 
 ``mode="w4a16"`` keeps the activations in BF16 (weight-only quantization). Decode-size
 problems (few tokens) use split-K so that enough programs stream the weight. Prefill-size
