@@ -397,7 +397,6 @@ def grouped(measure, tune=True):
     from quads_jax import nvfp4 as F
     from quads_jax.tiling import gemm_config
     from pallas_kernels import nvfp4_grouped_matmul
-    from pallas_kernels.tile_math import codes_to_words
 
     rows = []
     rng = np.random.default_rng(3)
@@ -433,7 +432,7 @@ def grouped(measure, tune=True):
                 try:
                     # decode="words": the codes converted to uint32 words once, as prepared weights
                     # would be (the GEMM accepts words; otherwise it converts every call)
-                    wv = dc_replace(w4, codes=codes_to_words(w4.codes)) if cfg.decode == "words" else w4
+                    wv = dc_replace(w4, codes=F.code_words(w4.codes)) if cfg.decode == "words" else w4
                     f = lambda a, w, g, cfg=cfg: nvfp4_grouped_matmul(a, w, g, backend="pallas", rac_ratio=0.5, out_dtype=jnp.float32, config=cfg)
                     got = np.asarray(f(x, wv, sizes))
                     v["rho0.5_rel_vs_xla"] = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
@@ -497,7 +496,7 @@ def sweep(measure, copy_tbps=None, shapes=((16, 4096, 14336), (64, 2048, 768)), 
         ref = np.asarray(NM.nvfp4_matmul_xla(x, w, rac_ratio=0.5, act_scale="token", out_dtype=jnp.float32))
         gw = jnp.reshape(jnp.asarray(w.global_scale, jnp.float32), (1,))
         wbytes = w.codes.size + w.scales.size
-        words = NM.codes_to_words(w.codes)
+        words = F.code_words(w.codes)
         base = NM.gemm_config(t, n, k)
         interp = _backend.interpret_mode()
         ref0 = np.asarray(NM.nvfp4_matmul_xla(x, w, act_scale="token", out_dtype=jnp.float32))

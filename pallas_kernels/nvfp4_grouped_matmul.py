@@ -23,7 +23,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from quads_jax import nvfp4
 from pallas_kernels import backend as _backend
-from pallas_kernels.tile_math import codes_to_words, pad_axis
+from pallas_kernels.tile_math import pad_axis
 from pallas_kernels.nvfp4_matmul import (
     GemmConfig,
     _bits,
@@ -99,7 +99,7 @@ def _grouped_call(a, gx, r, wc, ws, gw, group_sizes, *, cfg, out_dtype, interpre
     ns = tuple(c.shape[1] for c in wc)
     # decode="words" reads uint32 code words, the others bytes: a weight in the other form is
     # converted here (an XLA op that copies it); prepared weights come in the default's form
-    wc = tuple(map(codes_to_words if cfg.decode == "words" else nvfp4.code_bytes, wc))
+    wc = tuple(map(nvfp4.code_words if cfg.decode == "words" else nvfp4.code_bytes, wc))
     items, cap = work_items(group_sizes, m_real, cfg.block_m)
     rac_on = r is not None
     if interpret:  # interpret mode clamps out-of-range slices instead of masking them

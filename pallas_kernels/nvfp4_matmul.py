@@ -44,7 +44,7 @@ from pallas_kernels import backend as _backend
 from pallas_kernels import rac
 from pallas_kernels.nvfp4_decode import nvfp4_block_values
 from pallas_kernels.quantize_activations import QuantizedRows, quantize_activations_rac
-from pallas_kernels.tile_math import codes_to_words, decode_tile, decode_words, load_even_odd, pad_axis, to_word_parts_order  # noqa: F401
+from pallas_kernels.tile_math import decode_tile, decode_words, load_even_odd, pad_axis, to_word_parts_order  # noqa: F401
 
 MODES = ("w4a4", "w4a16")
 
@@ -167,7 +167,7 @@ def activation_operands(x, xq, rq, cfg):
         # scaled by the residual's global-scale factor (a power of two: exact), see gemm_tile_loop
         r = None if rq is None else (order(nvfp4.block_values(rq, jnp.bfloat16) * jnp.bfloat16(rac.RESIDUAL_SCALE_FACTOR)),)
     else:
-        codes = codes_to_words if words else (lambda c: c)
+        codes = nvfp4.code_words if words else (lambda c: c)
         a = (codes(xq.codes), _bits(xq.scales))
         r = None if rq is None else (codes(rq.codes), _bits(rq.scales))
     return a, xq.global_scale, r
@@ -248,7 +248,7 @@ def _gemm_call(a, gx, r, wc, ws, gw, *, cfg, out_dtype, interpret):
     ns = tuple(c.shape[0] for c in wc)
     # decode="words" reads uint32 code words, the others bytes: a weight in the other form is
     # converted here (an XLA op that copies it); prepared weights come in the default's form
-    wc = tuple(map(codes_to_words if cfg.decode == "words" else nvfp4.code_bytes, wc))
+    wc = tuple(map(nvfp4.code_words if cfg.decode == "words" else nvfp4.code_bytes, wc))
     rac_on = r is not None
     if interpret:  # interpret mode clamps out-of-range slices instead of masking them
         t_pad = pl.cdiv(t_real, cfg.block_m) * cfg.block_m

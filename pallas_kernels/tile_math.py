@@ -246,12 +246,6 @@ def _word_pair_ptx(shift: int, half: int) -> str:
 WORD_DECODE_PTX = tuple(_word_pair_ptx(shift, half) for shift in (0, 4) for half in (0, 1))  # parts (0,1) (2,3) (4,5) (6,7)
 
 
-def codes_to_words(codes):
-    """Packed codes -> uint32 code words (``nvfp4.code_words``; words stay as they are). On
-    uint8 codes an XLA op that copies them: prepared weights hold words already."""
-    return nvfp4.code_words(codes)
-
-
 def to_word_parts_order(v, bk: int):
     """Activation values [T, K] -> the same values with each K tile of ``bk`` channels laid out
     as the eight word parts (part p: channel WORD_CHANNELS[p] of each group of 8), so that

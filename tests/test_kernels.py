@@ -214,7 +214,7 @@ def test_word_decode_steps_and_layout_equal_the_format():
     for p, ch in enumerate(tile_math.WORD_CHANNELS):
         np.testing.assert_array_equal(got[:, p], want((words >> np.uint32(4 * ch)) & np.uint32(15)))
     codes = jnp.asarray(rng.integers(0, 256, (3, 64), dtype=np.uint8))
-    w = np.asarray(tile_math.codes_to_words(codes))
+    w = np.asarray(nvfp4.code_words(codes))
     np.testing.assert_array_equal(w.view(np.uint8).reshape(3, 64), np.asarray(codes))  # the same bytes, little-endian
     v = jnp.arange(2 * 256, dtype=jnp.float32).reshape(2, 256)
     o = np.asarray(tile_math.to_word_parts_order(v, 128))
