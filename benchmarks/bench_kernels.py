@@ -376,12 +376,12 @@ def prefill(measure, quick=False):
 
 def grouped_candidates(base):
     """Grouped-GEMM variants around the heuristic's (run 10: codes beat values, 8 warps at
-    128-wide tiles was close)."""
+    128-wide tiles was close; run 12: words beat prmt at rho 0)."""
     import dataclasses as dc
 
     w8 = dc.replace(base, block_n=128, num_warps=8, num_stages=3)
-    return [dc.replace(base, decode="words"), dc.replace(w8, decode="words"), dc.replace(base, decode="words", act_load="values"),
-            dc.replace(base, act_load="values"), w8, dc.replace(base, num_stages=2), dc.replace(base, block_k=256, num_stages=3)]
+    return [base, dc.replace(base, decode="words"), dc.replace(w8, decode="words"), dc.replace(base, decode="words", act_load="values"),
+            dc.replace(base, act_load="values"), w8]
 
 
 @section("grouped")
@@ -449,17 +449,16 @@ def grouped(measure, tune=True):
 
 def swap_candidates(base):
     """The heuristic's tiles (swapped, prmt decode, BF16 activation values) against the word
-    decode (run 11's offline SASS: ~20% fewer loop instructions), 8 warps, other tiles, the bits
-    decode and unswapped; the first nine are timed with rho 0.5 as well."""
+    decode (run 11's offline SASS: ~20% fewer loop instructions) and the tile widths and warp
+    counts around it; all timed at rho 0 and rho 0.5 (RAC's rows stacked with the tokens')."""
     import dataclasses as dc
 
-    w8 = dc.replace(base, num_warps=8)
-    wide = dc.replace(base, block_n=256, num_warps=8, num_stages=3)
+    words = dc.replace(base, decode="words")
     other_n = dc.replace(base, block_n=128 if base.block_n == 64 else 64)
-    out = [base, dc.replace(base, decode="words"), w8, dc.replace(w8, decode="words"), dc.replace(other_n, decode="words"),
-           dc.replace(base, decode="words", act_load="codes"), wide, dc.replace(wide, decode="words"),
-           dc.replace(base, decode="bits"), dc.replace(base, swap_ab=False), other_n]
-    return out
+    if base.block_m <= 16:
+        return [base, words, dc.replace(other_n, decode="words"), dc.replace(words, act_load="codes"), other_n]
+    w8 = dc.replace(base, num_warps=8)
+    return [base, words, other_n, dc.replace(other_n, decode="words"), w8, dc.replace(w8, decode="words")]
 
 
 def sweep_candidates(base):
@@ -477,9 +476,10 @@ def sweep_candidates(base):
 
 
 @section("sweep")
-def sweep(measure, copy_tbps=None, shapes=((16, 4096, 14336), (64, 2048, 768)), candidates=None):
+def sweep(measure, copy_tbps=None, shapes=((16, 4096, 14336), (64, 2048, 768)), candidates=None, rac_configs=9):
     """GEMM-only kernel time (operands quantized beforehand) over tile configs and decode
-    variants; every config is checked against the XLA reference first."""
+    variants; every config is checked against the XLA reference first. The first
+    ``rac_configs`` configs are timed at rho 0.5 too."""
     import jax.numpy as jnp
 
     from quads_jax import nvfp4 as F
@@ -506,7 +506,7 @@ def sweep(measure, copy_tbps=None, shapes=((16, 4096, 14336), (64, 2048, 768)), 
             row = {"T": t, "K": k, "N": n, **{f: getattr(cfg, f) for f in ("block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages", "decode", "scale_load", "swap_ab", "act_load")}}
             try:
                 # rho 0 for every config; rho 0.5 for the decode variants at the heuristic's tiles
-                for name, res, want in (("rho0", None, ref0), ("rho0.5", rq, ref))[: 2 if i < 9 else 1]:
+                for name, res, want in (("rho0", None, ref0), ("rho0.5", rq, ref))[: 2 if i < rac_configs else 1]:
                     def call(xq, res, wc, ws, cfg=cfg):  # timed with the activation operands' preparation
                         a, gx, r = NM.activation_operands(x, xq, res, cfg)
                         return NM._gemm_call(a, gx, r, (wc,), (ws,), (gw,), cfg=cfg, out_dtype=jnp.float32, interpret=interp)[0]
@@ -718,7 +718,7 @@ def triton_plugin_sass():
 def swap_sweep(measure, copy_tbps=None):
     """The sweep over swap_ab and prmt variants, at T = 16 and 64 on the largest decode shape."""
     return sweep.__wrapped__(measure, copy_tbps, shapes=((16, 4096, 14336), (64, 4096, 14336)),
-                             candidates=swap_candidates)
+                             candidates=swap_candidates, rac_configs=99)
 
 
 def markdown(res) -> str:

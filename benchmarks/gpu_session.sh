@@ -42,11 +42,11 @@ run_stage() {
   case $1 in
     triton_smoke) stage 45 triton_smoke python3 benchmarks/triton_smoke.py ;;
     triton) stage 60 triton python3 $BK --out "$o/triton" --only triton ;;
-    swap) stage 100 swap python3 $BK --out "$o/swap" --only swap ;;
+    swap) stage "${SWAP_CAP:-100}" swap python3 $BK --out "$o/swap" --only swap ;;
     prefill) stage 45 prefill python3 $BK --out "$o/prefill" --only prefill --quick ;;
     sass) stage 60 sass python3 $BK --out "$o/sass" --only sass ;;
-    decode) stage 60 decode python3 $BK --out "$o/decode" --only ceilings,decode --quick ;;
-    grouped) stage 100 grouped python3 $BK --out "$o/grouped" --only grouped ;;
+    decode) stage "${DECODE_CAP:-60}" decode python3 $BK --out "$o/decode" --only ceilings,decode --quick ;;
+    grouped) stage "${GROUPED_CAP:-100}" grouped python3 $BK --out "$o/grouped" --only grouped ;;
     train) stage 90 train python3 benchmarks/bench_model.py --out "$o/train" --skip-rollout --batch 1 ;;
     fused_check)  # the one-launch GEMMs over several weights; if they fail, later stages launch one by one
       echo "== fused_check"

@@ -36,6 +36,7 @@ from pallas_kernels.nvfp4_matmul import (
     for_each_weight,
     output_tile,
     split_weight_refs,
+    stack_residual,
 )
 
 
@@ -69,25 +70,21 @@ def work_items(group_sizes, m: int, block_m: int):
     return jnp.stack([ex, start, end], axis=1).astype(jnp.int32), cap
 
 
-def _grouped_kernel(items_ref, *refs, ns, k, cfg, na, has_gx, nr, interpret):
-    a_refs, gx_ref, r_refs, rest = pop_operand_refs(refs, na, has_gx, nr)
+def _grouped_kernel(items_ref, *refs, ns, k, cfg, na, has_gx, stacked, interpret):
+    a_refs, gx_ref, rest = pop_operand_refs(refs, na, has_gx)
     w_refs, out_refs = split_weight_refs(rest, len(ns))
-    bm, bn = cfg.block_m, cfg.block_n
     it, jn_all, sk = pl.program_id(0), pl.program_id(1), pl.program_id(2)  # read outside conditionals (interpret mode)
     ex = items_ref[it, 0]
     start = items_ref[it, 1]
     end = items_ref[it, 2]
-    rows = start + jnp.arange(bm)
-    row_ok = (rows < end)[:, None]
-    row_sl = pl.ds(start, bm)
 
     def tile(i, jn):
-        output_tile(a_refs=a_refs, r_refs=r_refs, gx_ref=gx_ref, w_refs=w_refs[i], out_ref=out_refs[i], n=ns[i], jn=jn,
-                    row_sl=row_sl, row_ok=row_ok, sk=sk, k=k, cfg=cfg, interpret=interpret, expert=ex)
+        output_tile(a_refs=a_refs, gx_ref=gx_ref, w_refs=w_refs[i], out_ref=out_refs[i], n=ns[i], jn=jn, row_start=start,
+                    row_end=end, stacked=stacked, sk=sk, k=k, cfg=cfg, interpret=interpret, expert=ex)
 
     @pl.when(end > start)
     def _():
-        for_each_weight(jn_all, ns, bn, tile)
+        for_each_weight(jn_all, ns, cfg.block_n, tile)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "out_dtype", "interpret"))
@@ -101,7 +98,7 @@ def _grouped_call(a, gx, r, wc, ws, gw, group_sizes, *, cfg, out_dtype, interpre
     # converted here (an XLA op that copies it); prepared weights come in the default's form
     wc = tuple(map(nvfp4.code_words if cfg.decode == "words" else nvfp4.code_bytes, wc))
     items, cap = work_items(group_sizes, m_real, cfg.block_m)
-    rac_on = r is not None
+    stacked = r is not None
     if interpret:  # interpret mode clamps out-of-range slices instead of masking them
         m_pad = m_real + cfg.block_m
         a, r = [pad_axis(v, 0, m_pad) for v in a], r and [pad_axis(v, 0, m_pad) for v in r]
@@ -109,13 +106,15 @@ def _grouped_call(a, gx, r, wc, ws, gw, group_sizes, *, cfg, out_dtype, interpre
         pad_n = lambda v: pad_axis(v, 1, pl.cdiv(v.shape[1], cfg.block_n) * cfg.block_n)
         wc, ws = tuple(map(pad_n, wc)), tuple(map(pad_n, ws))
     m = a[0].shape[0]
-    args = [items] + list(a) + ([] if gx is None else [gx]) + (list(r) if rac_on else [])
+    if stacked:
+        a = stack_residual(a, r)
+    args = [items] + list(a) + ([] if gx is None else [gx])
     for triple in zip(wc, ws, gw):
         args += list(triple)
     out_shape = [jax.ShapeDtypeStruct((m, n) if cfg.split_k == 1 else (cfg.split_k, m, n), out_dtype if cfg.split_k == 1 else jnp.float32)
                  for n in ns]
     kernel = functools.partial(_grouped_kernel, ns=ns, k=k, cfg=cfg, na=len(a), has_gx=gx is not None,
-                               nr=len(r) if rac_on else 0, interpret=interpret)
+                               stacked=stacked, interpret=interpret)
     outs = pl.pallas_call(
         kernel,
         out_shape=out_shape,
@@ -178,7 +177,8 @@ def nvfp4_grouped_matmul(x, w, group_sizes, *, rac_ratio=0.0, rac_mode="token", 
     if k % 32:
         raise ValueError(f"x: the Pallas GEMM needs K % 32 == 0 (got K={k}); use backend='xla'")
     # tiles sized for the rows an expert gets on average (decode: a few), not for all rows
-    cfg = config or gemm_config(-(-m // e), sum(wi.shape[1] for wi in ws), k, programs_per_row_tile=e)
+    cfg = config or gemm_config(-(-m // e), sum(wi.shape[1] for wi in ws), k, programs_per_row_tile=e,
+                                rac=mode == "w4a4" and rac_ratio > 0)
     if cfg.path != "fused":
         raise ValueError(f"config: GemmConfig.path={cfg.path!r} is for the dense GEMM; the grouped GEMM is fused only "
                          "(backend='xla' runs lax.ragged_dot on the decoded values)")

@@ -1,13 +1,15 @@
 """NVFP4 W4A4 GEMM with fused residual activation compensation (RAC), for Hopper.
 
     out = gw * (gx * (Xq @ Wq.T) + gr * (Rq @ Wq.T))          (FP32 accumulation)
-        = gw * gx * (Xq @ Wq.T + (Rq / 4) @ Wq.T)           (gr = gx / 4, one accumulator)
+        = gw * gx * (Xq @ Wq.T + (Rq @ Wq.T) / 4)           (gr = gx / 4)
 
 where Xq, Rq, Wq are the NVFP4 block values (E2M1 code times its E4M3 block scale, exact
 in BF16) of the activations, the selected activation residual and the weight, and gx, gr,
 gw their global scales. Hopper has no FP4 tensor cores: each weight tile is decoded once
-in registers (codes -> E2M1 -> times the block scale -> BF16) and feeds both BF16 MMAs;
-the global scales are applied in the epilogue. That is a native NVFP4 GEMM's numerics up
+in registers (codes -> E2M1 -> times the block scale -> BF16) and feeds one BF16 MMA
+whose token operand holds each token's activation row and, with RAC, its residual row
+next to it (twice the tokens, not twice the MMAs); the pairs are summed and the global
+scales applied in the epilogue. That is a native NVFP4 GEMM's numerics up
 to accumulation order, while moving 4.5 bits per weight.
 
 Packed codes hold channel 2j in the low and 2j+1 in the high nibble, so a K-tile splits
@@ -57,41 +59,64 @@ def _dot_nt(a, b):
     return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def gemm_tile_loop(*, kt_start, steps, cfg, load_a, load_r, load_w, interpret):
-    """The shared main loop: accumulates A @ W.T + R' @ W.T over ``steps`` K-tiles into one
-    FP32 accumulator, where R' = R * RESIDUAL_SCALE_FACTOR (the loaders deliver it scaled:
-    a power of two, exact in BF16). The residual's global scale is gx times that factor, so
-    gx * (A @ W.T) + gr * (R @ W.T) = gx * (A @ W.T + R' @ W.T): RAC adds MMAs, not a second
-    accumulator (half the registers a separate one would hold).
+def gemm_tile_loop(*, kt_start, steps, cfg, rows, load_a, load_w):
+    """The shared main loop: accumulates A @ W.T over ``steps`` K-tiles in FP32, A being the
+    ``rows`` activation rows of the tile (with RAC, the activation and residual rows
+    interleaved: ``stack_residual``). Returns the raw accumulator ([block_n, rows] when
+    swapped: see ``finish_tile``).
 
     Loaders take the K-tile index ``kt`` and form their offsets as kt times a constant: no
     integer division in an index (a floor division hides the offsets' alignment from
     Triton, which then loads the codes byte by byte instead of 16 bytes at a time)."""
-    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
-    # swap_ab: accumulate the transposed tile W @ A.T ([bn, bm]) and transpose it once at the end
+    bn = cfg.block_n
+    # swap_ab: accumulate the transposed tile W @ A.T ([bn, rows]); finish_tile transposes it
     pair = (lambda a, w: _dot_nt(w, a)) if cfg.swap_ab else _dot_nt
 
     def body(i, acc):
         kt = kt_start + i
-        w_parts = load_w(kt)  # the tile's channels split in parts (even/odd, or the 8 word parts)
-        for a, w in zip(load_a(kt), w_parts):
+        for a, w in zip(load_a(kt), load_w(kt)):  # the tile's channels in parts (even/odd, or 8 word parts)
             acc = acc + pair(a, w)
-        if load_r is not None:
-            for r, w in zip(load_r(kt), w_parts):
-                acc = acc + pair(r, w)
         return acc
 
-    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((bn, bm) if cfg.swap_ab else (bm, bn), jnp.float32))
+    return jax.lax.fori_loop(0, steps, body, jnp.zeros((bn, rows) if cfg.swap_ab else (rows, bn), jnp.float32))
+
+
+def finish_tile(acc, cfg, stacked):
+    """The accumulator -> the [block_m, block_n] tile of A @ W.T / RAC's Xq @ W.T + Rq' @ W.T.
+
+    With RAC the MMA's token operand holds each token's activation row and residual row side
+    by side (``stack_residual``): one MMA of twice the tokens per weight part instead of two
+    MMAs, the decoded weight read once. The pair is summed here, the residual's times
+    ``rac.RESIDUAL_SCALE_FACTOR`` (gr / gx, a power of two: exact), so the epilogue's gx
+    scales both: gx * (Xq @ W.T) + gr * (Rq @ W.T)."""
+    bm, bn = cfg.block_m, cfg.block_n
+    if stacked:
+        if cfg.swap_ab:  # [bn, 2 bm]: tokens on the last axis
+            parts, axis = acc.reshape(bn, bm, 2), 2
+            which = jax.lax.broadcasted_iota(jnp.int32, (1, 1, 2), 2)
+        else:  # [2 bm, bn]
+            parts, axis = acc.reshape(bm, 2, bn), 1
+            which = jax.lax.broadcasted_iota(jnp.int32, (1, 2, 1), 1)
+        acc = jnp.sum(parts * jnp.where(which == 0, 1.0, rac.RESIDUAL_SCALE_FACTOR), axis=axis)
     return acc.T if cfg.swap_ab else acc
 
 
-def make_loaders(*, a_refs, r_refs, w_refs, row_sl, row_ok, col_sl, col_ok, cfg, interpret, w_index=()):
-    """Tile loaders for activations and residual (one BF16 ref, or codes and scale bits) and
-    the weight codes. Each returns the tile's channels in parts, the same parts for every
-    operand: the even and odd channels, or with ``decode="words"`` the eight word parts
-    (``tile_math.WORD_CHANNELS``; BF16 activations then come in that order, see
+def stack_residual(a, r):
+    """Interleave the activation operands' rows with the residual's: row 2t is token t's
+    activations, row 2t + 1 its residual (any row tile [s, s + bm) of tokens is then the
+    contiguous rows [2s, 2s + 2bm), also the grouped GEMM's unaligned ones)."""
+    inter = lambda u, v: jnp.stack([u, v], axis=1).reshape(2 * u.shape[0], *u.shape[1:])
+    return tuple(map(inter, a, r))
+
+
+def make_loaders(*, a_refs, w_refs, act_sl, act_ok, col_sl, col_ok, cfg, interpret, w_index=()):
+    """Tile loaders for the activation rows ``act_sl`` (one BF16 ref, or codes and scale
+    bits) and the weight codes. Each returns the tile's channels in parts, the same parts
+    for both operands: the even and odd channels, or with ``decode="words"`` the eight word
+    parts (``tile_math.WORD_CHANNELS``; BF16 activations then come in that order, see
     ``activation_operands``)."""
-    bm, bn, bk = cfg.block_m, cfg.block_n, cfg.block_k
+    bn, bk = cfg.block_n, cfg.block_k
+    rows = act_sl.size
     wc_ref, ws_ref = w_refs
     words = cfg.decode == "words"
 
@@ -102,54 +127,39 @@ def make_loaders(*, a_refs, r_refs, w_refs, row_sl, row_ok, col_sl, col_ok, cfg,
             return decode_words(wc, ws, bn, bk, interpret)
         wc = plgpu.load(wc_ref.at[(*w_index, col_sl, pl.ds(kt * (bk // 2), bk // 2))], mask=col_ok, other=0)
         if cfg.scale_load == "gather":  # scale byte j // 8 for packed column j: no reshape
-            rows = (col_sl.start + jnp.arange(bn))[:, None]
+            rows_w = (col_sl.start + jnp.arange(bn))[:, None]
             cols = (kt * (bk // 16) + jnp.arange(bk // 2) // 8)[None, :]
-            ws = plgpu.load(ws_ref.at[(*w_index, rows, cols)], mask=col_ok, other=0)
+            ws = plgpu.load(ws_ref.at[(*w_index, rows_w, cols)], mask=col_ok, other=0)
         else:
             ws = plgpu.load(ws_ref.at[(*w_index, col_sl, pl.ds(kt * (bk // 16), bk // 16))], mask=col_ok, other=0)
         return decode_tile(wc, ws, bn, bk, cfg.decode, interpret)
 
-    def load_codes(refs, factor=None):
-        c_ref, s_ref = refs
+    def load_codes(kt):
+        c_ref, s_ref = a_refs
+        s = plgpu.load(s_ref.at[act_sl, pl.ds(kt * (bk // 16), bk // 16)], mask=act_ok, other=0)
+        if words:
+            c = plgpu.load(c_ref.at[act_sl, pl.ds(kt * (bk // 8), bk // 8)], mask=act_ok, other=0)
+            return tuple(decode_words(c, s, rows, bk, interpret))
+        c = plgpu.load(c_ref.at[act_sl, pl.ds(kt * (bk // 2), bk // 2)], mask=act_ok, other=0)
+        return tuple(decode_tile(c, s, rows, bk, cfg.decode, interpret))
 
-        def load(kt):
-            s = plgpu.load(s_ref.at[row_sl, pl.ds(kt * (bk // 16), bk // 16)], mask=row_ok, other=0)
-            if words:
-                c = plgpu.load(c_ref.at[row_sl, pl.ds(kt * (bk // 8), bk // 8)], mask=row_ok, other=0)
-                parts = decode_words(c, s, bm, bk, interpret)
-            else:
-                c = plgpu.load(c_ref.at[row_sl, pl.ds(kt * (bk // 2), bk // 2)], mask=row_ok, other=0)
-                parts = decode_tile(c, s, bm, bk, cfg.decode, interpret)
-            if factor is None:
-                return tuple(parts)
-            f = jnp.asarray(factor, jnp.bfloat16)  # a power of two: exact
-            return tuple(p * f for p in parts)
+    def load_values(kt):
+        [x_ref] = a_refs
+        if words:  # laid out in word-part order by activation_operands: contiguous slices
+            return tuple(plgpu.load(x_ref.at[act_sl, pl.ds(kt * bk + p * (bk // 8), bk // 8)], mask=act_ok, other=0.0)
+                         .astype(jnp.bfloat16) for p in range(8))
+        even, odd = load_even_odd(x_ref, act_sl, kt * bk, bk, act_ok, interpret, other=0.0)
+        return even.astype(jnp.bfloat16), odd.astype(jnp.bfloat16)
 
-        return load
-
-    def load_values(x_ref):
-        def load(kt):
-            if words:  # laid out in word-part order by activation_operands: contiguous slices
-                return tuple(plgpu.load(x_ref.at[row_sl, pl.ds(kt * bk + p * (bk // 8), bk // 8)], mask=row_ok, other=0.0)
-                             .astype(jnp.bfloat16) for p in range(8))
-            even, odd = load_even_odd(x_ref, row_sl, kt * bk, bk, row_ok, interpret, other=0.0)
-            return even.astype(jnp.bfloat16), odd.astype(jnp.bfloat16)
-
-        return load
-
-    # residual values enter scaled by RESIDUAL_SCALE_FACTOR (see gemm_tile_loop); as BF16
-    # values they come scaled already (activation_operands)
-    load_act = lambda refs, factor=None: load_values(refs[0]) if len(refs) == 1 else load_codes(refs, factor)
-    return load_act(a_refs), (load_act(r_refs, rac.RESIDUAL_SCALE_FACTOR) if r_refs else None), load_w
+    return (load_values if len(a_refs) == 1 else load_codes), load_w
 
 
-def pop_operand_refs(refs, na, has_gx, nr):
-    """Split a kernel's refs: activations (na), global scales (has_gx), residual (nr), rest."""
+def pop_operand_refs(refs, na, has_gx):
+    """Split a kernel's refs: activation operands (na), global scales (has_gx), rest."""
     refs = list(refs)
     a_refs = [refs.pop(0) for _ in range(na)]
     gx_ref = refs.pop(0) if has_gx else None
-    r_refs = [refs.pop(0) for _ in range(nr)]
-    return a_refs, gx_ref, r_refs, refs
+    return a_refs, gx_ref, refs
 
 
 def activation_operands(x, xq, rq, cfg):
@@ -164,8 +174,7 @@ def activation_operands(x, xq, rq, cfg):
         return (order(x),), None, None
     if cfg.act_load == "values":
         a = (order(nvfp4.block_values(xq, jnp.bfloat16)),)
-        # scaled by the residual's global-scale factor (a power of two: exact), see gemm_tile_loop
-        r = None if rq is None else (order(nvfp4.block_values(rq, jnp.bfloat16) * jnp.bfloat16(rac.RESIDUAL_SCALE_FACTOR)),)
+        r = None if rq is None else (order(nvfp4.block_values(rq, jnp.bfloat16)),)
     else:
         codes = nvfp4.code_words if words else (lambda c: c)
         a = (codes(xq.codes), _bits(xq.scales))
@@ -194,36 +203,38 @@ def split_weight_refs(rest, nw):
     return [rest[3 * i:3 * i + 3] for i in range(nw)], rest[3 * nw:]
 
 
-def _gemm_kernel(*refs, t, ns, k, cfg, na, has_gx, nr, interpret):
-    a_refs, gx_ref, r_refs, rest = pop_operand_refs(refs, na, has_gx, nr)
+def _gemm_kernel(*refs, t, ns, k, cfg, na, has_gx, stacked, interpret):
+    a_refs, gx_ref, rest = pop_operand_refs(refs, na, has_gx)
     w_refs, out_refs = split_weight_refs(rest, len(ns))
-    bm, bn = cfg.block_m, cfg.block_n
     im, sk = pl.program_id(0), pl.program_id(2)
-    row_sl = pl.ds(im * bm, bm)
-    row_ok = (im * bm + jnp.arange(bm) < t)[:, None]
 
     def tile(i, jn):
-        output_tile(a_refs=a_refs, r_refs=r_refs, gx_ref=gx_ref, w_refs=w_refs[i], out_ref=out_refs[i], n=ns[i], jn=jn,
-                    row_sl=row_sl, row_ok=row_ok, sk=sk, k=k, cfg=cfg, interpret=interpret)
+        output_tile(a_refs=a_refs, gx_ref=gx_ref, w_refs=w_refs[i], out_ref=out_refs[i], n=ns[i], jn=jn,
+                    row_start=im * cfg.block_m, row_end=t, stacked=stacked, sk=sk, k=k, cfg=cfg, interpret=interpret)
 
-    for_each_weight(pl.program_id(1), ns, bn, tile)
+    for_each_weight(pl.program_id(1), ns, cfg.block_n, tile)
 
 
-def output_tile(*, a_refs, r_refs, gx_ref, w_refs, out_ref, n, jn, row_sl, row_ok, sk, k, cfg, interpret, expert=None):
-    """One program's output tile: rows ``row_sl`` x N tile ``jn`` of one weight (``w_refs``:
-    codes, scales, global scales; ``expert`` indexes stacked expert weights), over this
-    program's share of K (split ``sk``), stored to ``out_ref`` (FP32 partials when split)."""
+def output_tile(*, a_refs, gx_ref, w_refs, out_ref, n, jn, row_start, row_end, stacked, sk, k, cfg, interpret, expert=None):
+    """One program's output tile: token rows [row_start, row_start + block_m) (those below
+    ``row_end`` real) x N tile ``jn`` of one weight (``w_refs``: codes, scales, global
+    scales; ``expert`` indexes stacked expert weights), over this program's share of K
+    (split ``sk``), stored to ``out_ref`` (FP32 partials when split). ``stacked``: the
+    activation operands interleave each token's residual row (``stack_residual``)."""
     wc_ref, ws_ref, gw_ref = w_refs
-    bn = cfg.block_n
+    bm, bn = cfg.block_m, cfg.block_n
+    f = 2 if stacked else 1  # operand rows per token
+    act_sl = pl.ds(row_start * f, bm * f)
+    act_ok = (row_start * f + jnp.arange(bm * f) < row_end * f)[:, None]
+    row_sl = pl.ds(row_start, bm)
+    row_ok = (row_start + jnp.arange(bm) < row_end)[:, None]
     col_sl = pl.ds(jn * bn, bn)
     col_ok = (jn * bn + jnp.arange(bn) < n)[:, None]
-    load_a, load_r, load_w = make_loaders(
-        a_refs=a_refs, r_refs=r_refs, w_refs=(wc_ref, ws_ref), row_sl=row_sl, row_ok=row_ok,
-        col_sl=col_sl, col_ok=col_ok, cfg=cfg, interpret=interpret, w_index=() if expert is None else (expert,),
-    )
+    load_a, load_w = make_loaders(a_refs=a_refs, w_refs=(wc_ref, ws_ref), act_sl=act_sl, act_ok=act_ok, col_sl=col_sl,
+                                  col_ok=col_ok, cfg=cfg, interpret=interpret, w_index=() if expert is None else (expert,))
     steps = k // (cfg.block_k * cfg.split_k)
-    acc = gemm_tile_loop(kt_start=sk * steps, steps=steps, cfg=cfg, load_a=load_a, load_r=load_r, load_w=load_w, interpret=interpret)
-    out = epilogue(acc, gx_ref, row_sl, row_ok, gw_ref[0 if expert is None else expert])
+    acc = gemm_tile_loop(kt_start=sk * steps, steps=steps, cfg=cfg, rows=bm * f, load_a=load_a, load_w=load_w)
+    out = epilogue(finish_tile(acc, cfg, stacked), gx_ref, row_sl, row_ok, gw_ref[0 if expert is None else expert])
     out_mask = row_ok & (jn * bn + jnp.arange(bn) < n)[None, :]
     if cfg.split_k == 1:
         plgpu.store(out_ref.at[row_sl, col_sl], out.astype(out_ref.dtype), mask=out_mask)
@@ -232,7 +243,7 @@ def output_tile(*, a_refs, r_refs, gx_ref, w_refs, out_ref, n, jn, row_sl, row_o
 
 
 def epilogue(acc, gx_ref, row_sl, row_ok, gw):
-    """gw * gx * acc (w4a16: gw * acc); the residual's scale is folded into acc already."""
+    """gw * gx * acc (w4a16: gw * acc); the residual's share of acc is scaled already."""
     if gx_ref is None:  # w4a16
         return acc * gw
     gx = plgpu.load(gx_ref.at[row_sl, :], mask=row_ok, other=0.0)  # [bm, 1]
@@ -249,7 +260,7 @@ def _gemm_call(a, gx, r, wc, ws, gw, *, cfg, out_dtype, interpret):
     # decode="words" reads uint32 code words, the others bytes: a weight in the other form is
     # converted here (an XLA op that copies it); prepared weights come in the default's form
     wc = tuple(map(nvfp4.code_words if cfg.decode == "words" else nvfp4.code_bytes, wc))
-    rac_on = r is not None
+    stacked = r is not None
     if interpret:  # interpret mode clamps out-of-range slices instead of masking them
         t_pad = pl.cdiv(t_real, cfg.block_m) * cfg.block_m
         a, r = [pad_axis(v, 0, t_pad) for v in a], r and [pad_axis(v, 0, t_pad) for v in r]
@@ -257,7 +268,9 @@ def _gemm_call(a, gx, r, wc, ws, gw, *, cfg, out_dtype, interpret):
         pad_n = lambda v: pad_axis(v, 0, pl.cdiv(v.shape[0], cfg.block_n) * cfg.block_n)
         wc, ws = tuple(map(pad_n, wc)), tuple(map(pad_n, ws))
     t = a[0].shape[0]
-    args = list(a) + ([] if gx is None else [gx]) + (list(r) if rac_on else [])
+    if stacked:
+        a = stack_residual(a, r)
+    args = list(a) + ([] if gx is None else [gx])
     for triple in zip(wc, ws, gw):
         args += list(triple)
     if cfg.split_k == 1:
@@ -265,7 +278,7 @@ def _gemm_call(a, gx, r, wc, ws, gw, *, cfg, out_dtype, interpret):
     else:
         out_shape = [jax.ShapeDtypeStruct((cfg.split_k, t, n), jnp.float32) for n in ns]
     kernel = functools.partial(_gemm_kernel, t=t, ns=ns, k=k, cfg=cfg, na=len(a), has_gx=gx is not None,
-                               nr=len(r) if rac_on else 0, interpret=interpret)
+                               stacked=stacked, interpret=interpret)
     outs = pl.pallas_call(
         kernel,
         out_shape=out_shape,
@@ -376,7 +389,7 @@ def nvfp4_matmul(x, w, *, rac_ratio=0.0, rac_mode="token", act_scale="tensor", m
     t, k = x.shape
     if k % 32:
         raise ValueError(f"x: the Pallas GEMM needs K % 32 == 0 (got K={k}); use backend='xla'")
-    cfg = config or gemm_config(t, sum(wi.shape[0] for wi in ws), k)
+    cfg = config or gemm_config(t, sum(wi.shape[0] for wi in ws), k, rac=mode == "w4a4" and rac_ratio > 0)
     xq, rq = quantized_operands(x, mode=mode, rac_ratio=rac_ratio, rac_mode=rac_mode, act_scale=act_scale, backend="pallas",
                                 quant_config=quant_config)
     if cfg.path == "dequant":

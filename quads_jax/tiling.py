@@ -80,7 +80,7 @@ if DEFAULT_DECODE not in ("prmt", "words"):
     raise ValueError(f"QUADS_GEMM_DECODE={DEFAULT_DECODE!r}: expected 'prmt' or 'words'")
 
 
-def gemm_config(t: int, n: int, k: int, programs_per_row_tile: int = 1) -> GemmConfig:
+def gemm_config(t: int, n: int, k: int, programs_per_row_tile: int = 1, rac: bool = False) -> GemmConfig:
     """Heuristic tiles: decode (few tokens) streams the weight in 128 x 128 tiles with
     split-K until ~2 waves of programs, with the weight as the MMA's M operand (swap_ab);
     prefill uses square MMA tiles, and from PREFILL_DEQUANT_MIN_T tokens the dense GEMM
@@ -88,14 +88,19 @@ def gemm_config(t: int, n: int, k: int, programs_per_row_tile: int = 1) -> GemmC
     (benchmarks/results/2026-12-03-h200-run8 and -run9): at T=16 the arith decode at 64 x 256
     took 156 us, the bits decode at 128 x 128 split 4 84 us, swapped 81 us, swapped with
     block_n 64 66-75 us, with the prmt decode and BF16 activation values 64 us (rho 0.5:
-    76 us); at T=64 swapping took 128 x 128 from 271 to 127 us, prmt + values 84 us."""
+    76 us); at T=64 swapping took 128 x 128 from 271 to 127 us, prmt + values 84 us.
+
+    ``rac``: the Pallas GEMM's MMA then takes each token's activation and residual rows (2t
+    operand rows, one FP32 accumulator of [block_n, 2 block_m]); above 16 tokens the tile
+    is 64 wide so that the accumulator stays at 64 registers a thread (offline SASS, T=64
+    rho 0.5: 128-wide tiles spill ~300 values a K-tile, 64-wide none)."""
     if t >= 256:
         bk = 64 if k % 64 == 0 else 32
         path = "dequant" if t >= PREFILL_DEQUANT_MIN_T and programs_per_row_tile == 1 else "fused"
         return GemmConfig(block_m=128, block_n=128, block_k=bk, num_warps=8, num_stages=3, path=path)
     bm = 16 if t <= 16 else (32 if t <= 32 else 64)
     bk = next(b for b in (128, 64, 32) if k % b == 0)
-    bn = 128 if n >= 128 and t > 16 else 64
+    bn = 128 if n >= 128 and t > 16 and not rac else 64
     tiles = -(-t // bm) * -(-n // bn) * programs_per_row_tile
     split = 1
     while tiles * split < 2 * NUM_SMS and (k // bk) % (split * 2) == 0 and k // (bk * split * 2) >= 2:
