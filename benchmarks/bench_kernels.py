@@ -265,6 +265,7 @@ def decode(measure, ceil, quick):
     from quads_jax import fp8, nvfp4 as F
     from pallas_kernels import fp8_matmul, nvfp4_matmul
     from pallas_kernels.quantize_activations import quant_config
+    from quads_jax.precision import prepare_weight
 
     fused = lambda a: dataclasses.replace(quant_config(*a.shape), fused_amax=True)
     rows = []
@@ -274,6 +275,7 @@ def decode(measure, ceil, quick):
         wf = jnp.asarray(rng.standard_normal((n, k)).astype(np.float32) * 0.02)
         wb = wf.astype(jnp.bfloat16)
         w4 = F.quantize(wf)
+        w4p = prepare_weight(wf, "w4a4")
         w8 = fp8.quantize(wf)
         wbytes4 = w4.codes.size + w4.scales.size
         for t in (1, 16, 64) if not quick else (16,):
@@ -283,15 +285,19 @@ def decode(measure, ceil, quick):
             variants = {
                 "bf16_dot": (dot_nt, (x, wb)),
                 "fp8_dot": (lambda a, w: fp8_matmul(a, w), (x, w8)),
-                "fp8_xla_dot": (lambda a, w: fp8_matmul(a, w, backend="xla"), (x, w8)),
-                # act_scale="token": what the rollout's linears use (precision.linear)
-                "nvfp4_rho0": (lambda a, w: nvfp4_matmul(a, w, act_scale="token", backend="pallas"), (x, w4)),
-                "nvfp4_rho0.5": (lambda a, w: nvfp4_matmul(a, w, rac_ratio=0.5, act_scale="token", backend="pallas"), (x, w4)),
-                "nvfp4_rho0_fused_amax": (lambda a, w: nvfp4_matmul(a, w, act_scale="token", backend="pallas", quant_config=fused(a)), (x, w4)),
-                "nvfp4_rho0.5_fused_amax": (lambda a, w: nvfp4_matmul(a, w, rac_ratio=0.5, act_scale="token", backend="pallas", quant_config=fused(a)), (x, w4)),
-                "nvfp4_w4a16": (lambda a, w: nvfp4_matmul(a, w, mode="w4a16", backend="pallas"), (x, w4)),
-                "nvfp4_xla_rho0": (lambda a, w: nvfp4_matmul(a, w, backend="xla"), (x, w4)),
+                # act_scale="token": what the rollout's linears use (precision.linear); weights
+                # as the engine stores them (prepared: code words for the word decode)
+                "nvfp4_rho0": (lambda a, w: nvfp4_matmul(a, w, act_scale="token", backend="pallas"), (x, w4p)),
+                "nvfp4_rho0.5": (lambda a, w: nvfp4_matmul(a, w, rac_ratio=0.5, act_scale="token", backend="pallas"), (x, w4p)),
+                "nvfp4_rho0.5_exact": (lambda a, w: nvfp4_matmul(a, w, rac_ratio=0.5, rac_sum="exact", act_scale="token", backend="pallas"), (x, w4p)),
+                "nvfp4_w4a16": (lambda a, w: nvfp4_matmul(a, w, mode="w4a16", backend="pallas"), (x, w4p)),
             }
+            if t == 16 and not quick:  # at one T: the fused-amax quantizer, the XLA references
+                variants.update({
+                    "nvfp4_rho0.5_fused_amax": (lambda a, w: nvfp4_matmul(a, w, rac_ratio=0.5, act_scale="token", backend="pallas", quant_config=fused(a)), (x, w4p)),
+                    "fp8_xla_dot": (lambda a, w: fp8_matmul(a, w, backend="xla"), (x, w8)),
+                    "nvfp4_xla_rho0": (lambda a, w: nvfp4_matmul(a, w, backend="xla"), (x, w4)),
+                })
             for name, (f, args) in variants.items():
                 try:
                     r[name + "_us"] = measure(f, *args)
@@ -299,7 +305,7 @@ def decode(measure, ceil, quick):
                     r[name + "_us"] = None
                     RESULTS["errors"][f"decode_{name}_{t}_{k}_{n}"] = f"{type(e).__name__}: {e}"[:600]
             if t == 16:
-                for name in ("nvfp4_rho0", "nvfp4_rho0.5"):
+                for name in ("nvfp4_rho0.5",):
                     try:
                         f_, args_ = variants[name]
                         r[name + "_kernels_us"] = breakdown(f_, *args_)
@@ -375,13 +381,13 @@ def prefill(measure, quick=False):
 
 
 def grouped_candidates(base):
-    """Grouped-GEMM variants around the heuristic's (run 10: codes beat values, 8 warps at
-    128-wide tiles was close; run 12: words beat prmt at rho 0)."""
+    """Grouped-GEMM variants around the heuristic's (words with activation values, run 12):
+    activation codes, the prmt decode with codes (the run-11 default), 8 warps at 128-wide
+    tiles."""
     import dataclasses as dc
 
     w8 = dc.replace(base, block_n=128, num_warps=8, num_stages=3)
-    return [base, dc.replace(base, decode="words"), dc.replace(w8, decode="words"), dc.replace(base, decode="words", act_load="values"),
-            dc.replace(base, act_load="values"), w8]
+    return [base, dc.replace(base, act_load="codes"), dc.replace(base, decode="prmt", act_load="codes"), w8]
 
 
 @section("grouped")
@@ -410,9 +416,10 @@ def grouped(measure, tune=True):
         x = jnp.asarray(rng.standard_normal((m, k)).astype(np.float32)).astype(jnp.bfloat16)
         r = {"tokens": t, "rows": m, "experts": e, "K": k, "N": n}
         r["ragged_dot_bf16_us"] = measure(lambda a, w, g: jax.lax.ragged_dot(a, w, g), x, wkn, sizes)
-        for name, kw in {"nvfp4_rho0": {}, "nvfp4_rho0.5": {"rac_ratio": 0.5}}.items():
-            try:
-                r[name + "_us"] = measure(lambda a, w, g: nvfp4_grouped_matmul(a, w, g, backend="pallas", **kw), x, w4, sizes)
+        w4p = dc_replace(w4, codes=F.code_words(w4.codes)) if gemm_config(-(-m // e), n, k, programs_per_row_tile=e).decode == "words" else w4
+        for name, kw in {"nvfp4_rho0": {}, "nvfp4_rho0.5": {"rac_ratio": 0.5}, "nvfp4_rho0.5_exact": {"rac_ratio": 0.5, "rac_sum": "exact"}}.items():
+            try:  # weights as the engine prepares them (code words for the word decode)
+                r[name + "_us"] = measure(lambda a, w, g: nvfp4_grouped_matmul(a, w, g, backend="pallas", **kw), x, w4p, sizes)
             except Exception as ex:
                 RESULTS["errors"][f"grouped_{name}_{t}_{k}_{n}"] = f"{type(ex).__name__}: {ex}"[:600]
         if r.get("nvfp4_rho0_us"):
@@ -448,17 +455,14 @@ def grouped(measure, tune=True):
 
 
 def swap_candidates(base):
-    """The heuristic's tiles (swapped, prmt decode, BF16 activation values) against the word
-    decode (run 11's offline SASS: ~20% fewer loop instructions) and the tile widths and warp
-    counts around it; all timed at rho 0 and rho 0.5 (RAC's rows stacked with the tokens')."""
+    """The heuristic's tiles (swapped, word decode at 128-wide tiles, activation values)
+    against the other tile width, the prmt decode (the run-11 default) and 8 warps; all timed
+    at rho 0 and at rho 0.5 with both RAC sums (FP16 compensated operand; exact, stacked rows)."""
     import dataclasses as dc
 
-    words = dc.replace(base, decode="words")
     other_n = dc.replace(base, block_n=128 if base.block_n == 64 else 64)
-    if base.block_m <= 16:
-        return [base, words, dc.replace(other_n, decode="words"), dc.replace(words, act_load="codes"), other_n]
-    w8 = dc.replace(base, num_warps=8)
-    return [base, words, other_n, dc.replace(other_n, decode="words"), w8, dc.replace(w8, decode="words")]
+    prmt = dc.replace(base, decode="prmt", block_n=64 if base.block_m <= 16 else 128)
+    return [base, other_n, prmt, dc.replace(base, num_warps=8)]
 
 
 def sweep_candidates(base):
@@ -493,7 +497,8 @@ def sweep(measure, copy_tbps=None, shapes=((16, 4096, 14336), (64, 2048, 768)), 
         w = F.quantize(jnp.asarray(rng.standard_normal((n, k)).astype(np.float32) * 0.02))
         x = jnp.asarray(rng.standard_normal((t, k)).astype(np.float32)).astype(jnp.bfloat16)
         xq, rq = quantize_activations_rac(x, rac_ratio=0.5, act_scale="token", backend="pallas")
-        ref = np.asarray(NM.nvfp4_matmul_xla(x, w, rac_ratio=0.5, act_scale="token", out_dtype=jnp.float32))
+        refs = {rs: np.asarray(NM.nvfp4_matmul_xla(x, w, rac_ratio=0.5, rac_sum=rs, act_scale="token", out_dtype=jnp.float32))
+                for rs in ("fp16", "exact")}
         gw = jnp.reshape(jnp.asarray(w.global_scale, jnp.float32), (1,))
         wbytes = w.codes.size + w.scales.size
         words = F.code_words(w.codes)
@@ -505,10 +510,11 @@ def sweep(measure, copy_tbps=None, shapes=((16, 4096, 14336), (64, 2048, 768)), 
                 continue
             row = {"T": t, "K": k, "N": n, **{f: getattr(cfg, f) for f in ("block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages", "decode", "scale_load", "swap_ab", "act_load")}}
             try:
-                # rho 0 for every config; rho 0.5 for the decode variants at the heuristic's tiles
-                for name, res, want in (("rho0", None, ref0), ("rho0.5", rq, ref))[: 2 if i < rac_configs else 1]:
-                    def call(xq, res, wc, ws, cfg=cfg):  # timed with the activation operands' preparation
-                        a, gx, r = NM.activation_operands(x, xq, res, cfg)
+                # rho 0 for every config; rho 0.5 (both RAC sums) for the first rac_configs
+                runs = (("rho0", None, ref0, "fp16"), ("rho0.5", rq, refs["fp16"], "fp16"), ("rho0.5_exact", rq, refs["exact"], "exact"))
+                for name, res, want, rs in runs[: 3 if i < rac_configs else 1]:
+                    def call(xq, res, wc, ws, cfg=cfg, rs=rs):  # timed with the activation operands' preparation
+                        a, gx, r = NM.activation_operands(x, xq, res, cfg, rs)
                         return NM._gemm_call(a, gx, r, (wc,), (ws,), (gw,), cfg=cfg, out_dtype=jnp.float32, interpret=interp)[0]
                     wc = words if cfg.decode == "words" else w.codes  # words: converted once, as prepared weights
                     got = np.asarray(call(xq, res, wc, NM._bits(w.scales)))
@@ -547,7 +553,8 @@ def triton_parity(measure):
             gw = jnp.reshape(jnp.asarray(w.global_scale, jnp.float32), (1,))
             cfg = NM.gemm_config(t, n, k)
             rr = None if rq is None else (rq.codes, NM._bits(rq.scales))
-            pallas = lambda xq, rq: NM._gemm_call(*NM.activation_operands(x, xq, rq, cfg), (w.codes,), (NM._bits(w.scales),), (gw,), cfg=cfg, out_dtype=jnp.float32, interpret=False)[0]
+            # the plugin adds the two RAC products in FP32: the exact sum
+            pallas = lambda xq, rq: NM._gemm_call(*NM.activation_operands(x, xq, rq, cfg, "exact"), (w.codes,), (NM._bits(w.scales),), (gw,), cfg=cfg, out_dtype=jnp.float32, interpret=False)[0]
             jt = lambda xq, rq: triton_nvfp4_matmul(xq, rq, w, out_dtype=jnp.float32)
             p_out = np.asarray(pallas(xq, rq))
             j_out = np.asarray(jt(xq, rq))
@@ -729,10 +736,10 @@ def markdown(res) -> str:
     if c:
         lines += [f"Ceilings measured in this run: copy {c['copy_TBps']:.2f} TB/s, BF16 matmul {c['bf16_matmul_TFLOPs']:.0f} TFLOP/s.", ""]
     if s.get("decode"):
-        lines += ["## Decode GEMM (us, CUPTI kernel time, median)", "", "| T | K x N | bf16 dot | fp8 dot | nvfp4 rho0 | nvfp4 rho0.5 | w4a16 | xla ref | W TB/s | x bf16 | x fp8 | RAC cost |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += ["## Decode GEMM (us, CUPTI kernel time, median)", "", "| T | K x N | bf16 dot | fp8 dot | nvfp4 rho0 | nvfp4 rho0.5 | rho0.5 exact | w4a16 | W TB/s | x bf16 | x fp8 | RAC cost |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
         f = lambda v, fmt="{:.1f}": "-" if v is None else fmt.format(v)
         for r in s["decode"]:
-            lines.append(f"| {r['T']} | {r['K']}x{r['N']} | {f(r.get('bf16_dot_us'))} | {f(r.get('fp8_dot_us'))} | {f(r.get('nvfp4_rho0_us'))} | {f(r.get('nvfp4_rho0.5_us'))} | {f(r.get('nvfp4_w4a16_us'))} | {f(r.get('nvfp4_xla_rho0_us'))} | {f(r.get('nvfp4_weight_TBps'), '{:.2f}')} | {f(r.get('speedup_vs_bf16'), '{:.2f}')} | {f(r.get('speedup_vs_fp8'), '{:.2f}')} | {f(r.get('rac_overhead'), '{:+.0%}')} |")
+            lines.append(f"| {r['T']} | {r['K']}x{r['N']} | {f(r.get('bf16_dot_us'))} | {f(r.get('fp8_dot_us'))} | {f(r.get('nvfp4_rho0_us'))} | {f(r.get('nvfp4_rho0.5_us'))} | {f(r.get('nvfp4_rho0.5_exact_us'))} | {f(r.get('nvfp4_w4a16_us'))} | {f(r.get('nvfp4_weight_TBps'), '{:.2f}')} | {f(r.get('speedup_vs_bf16'), '{:.2f}')} | {f(r.get('speedup_vs_fp8'), '{:.2f}')} | {f(r.get('rac_overhead'), '{:+.0%}')} |")
         lines.append("")
     if s.get("prefill"):
         lines += ["## Prefill, K = N = 4096 (TFLOP/s; fused kernel vs decode once + BF16 dot)", "",
@@ -743,10 +750,10 @@ def markdown(res) -> str:
                          f"{g(r, 'nvfp4_rho0.5_dequant_TFLOPs')} | {g(r, 'nvfp4_w4a16_dequant_TFLOPs')} | {r.get('ratio_vs_bf16', 0):.2f} |")
         lines.append("")
     if s.get("grouped"):
-        lines += ["## Grouped MoE decode (64 experts, top-8)", "", "| tokens | K x N | ragged_dot bf16 us | nvfp4 rho0 us | nvfp4 rho0.5 us | speedup | W TB/s |", "|---|---|---|---|---|---|---|"]
+        lines += ["## Grouped MoE decode (64 experts, top-8)", "", "| tokens | K x N | ragged_dot bf16 us | nvfp4 rho0 us | nvfp4 rho0.5 us | rho0.5 exact us | speedup | W TB/s |", "|---|---|---|---|---|---|---|---|"]
         for r in s["grouped"]:
             g = lambda key, fmt="{:.1f}": "-" if r.get(key) is None else fmt.format(r[key])
-            lines.append(f"| {r['tokens']} | {r['K']}x{r['N']} | {r['ragged_dot_bf16_us']:.1f} | {g('nvfp4_rho0_us')} | {g('nvfp4_rho0.5_us')} | {g('speedup_vs_ragged_dot', '{:.2f}')} | {g('weight_TBps', '{:.2f}')} |")
+            lines.append(f"| {r['tokens']} | {r['K']}x{r['N']} | {r['ragged_dot_bf16_us']:.1f} | {g('nvfp4_rho0_us')} | {g('nvfp4_rho0.5_us')} | {g('nvfp4_rho0.5_exact_us')} | {g('speedup_vs_ragged_dot', '{:.2f}')} | {g('weight_TBps', '{:.2f}')} |")
         lines.append("")
     if s.get("torch"):
         lines += ["## cuBLAS through torch (us, do_bench median)", "", "| T | K x N | bf16 | fp8 _scaled_mm |", "|---|---|---|---|"]

@@ -45,7 +45,7 @@ run_stage() {
     swap) stage "${SWAP_CAP:-100}" swap python3 $BK --out "$o/swap" --only swap ;;
     prefill) stage 45 prefill python3 $BK --out "$o/prefill" --only prefill --quick ;;
     sass) stage 60 sass python3 $BK --out "$o/sass" --only sass ;;
-    decode) stage "${DECODE_CAP:-60}" decode python3 $BK --out "$o/decode" --only ceilings,decode --quick ;;
+    decode) stage "${DECODE_CAP:-170}" decode python3 $BK --out "$o/decode" --only ceilings,decode ${DECODE_QUICK:+--quick} ;;
     grouped) stage "${GROUPED_CAP:-100}" grouped python3 $BK --out "$o/grouped" --only grouped ;;
     train) stage 90 train python3 benchmarks/bench_model.py --out "$o/train" --skip-rollout --batch 1 ;;
     fused_check)  # the one-launch GEMMs over several weights; if they fail, later stages launch one by one

@@ -95,14 +95,14 @@ def cases(override=None):
     NG = sys.modules["pallas_kernels.nvfp4_grouped_matmul"]
     gw1 = (jnp.ones((1,), jnp.float32),)
 
-    def dense(t, n, k, rho):
+    def dense(t, n, k, rho, rac_sum="fp16"):
         w = nvfp4.quantize(jnp.ones((n, k), jnp.float32))
         x = jnp.ones((t, k), jnp.bfloat16)
-        cfg = dataclasses.replace(NM.gemm_config(t, n, k), **(override or {}))
+        cfg = dataclasses.replace(NM.gemm_config(t, n, k, stacked=NM.stacks_residual("w4a4", rho, rac_sum)), **(override or {}))
         xq, rq = pk.quantize_activations_rac(x, rac_ratio=rho, act_scale="token", backend="xla")
 
         def f(xq, rq):
-            a, gx, r = NM.activation_operands(x, xq, rq, cfg)
+            a, gx, r = NM.activation_operands(x, xq, rq, cfg, rac_sum)
             return NM._gemm_call(a, gx, r, (w.codes,), (NM._bits(w.scales),), gw1, cfg=cfg, out_dtype=jnp.float32, interpret=False)
 
         return (lambda: jax.jit(f).trace(xq, rq).lower(lowering_platforms=("cuda",))), cfg
@@ -112,7 +112,7 @@ def cases(override=None):
         w = nvfp4.quantize(jnp.ones((e, n, k), jnp.float32), keep_axes=(0,))
         x = jnp.ones((m, k), jnp.bfloat16)
         sizes = jnp.asarray(np.full(e, m // e), jnp.int32)
-        cfg = dataclasses.replace(NM.gemm_config(-(-m // e), n, k, programs_per_row_tile=e), **(override or {}))
+        cfg = dataclasses.replace(NM.gemm_config(-(-m // e), n, k, programs_per_row_tile=e), **(override or {}))  # RAC: FP16 sum
         xq, rq = pk.quantize_activations_rac(x, rac_ratio=rho, act_scale="token", backend="xla")
         gw = (jnp.ones((e,), jnp.float32),)
 
@@ -125,8 +125,10 @@ def cases(override=None):
     for name, (fn, cfg) in (
         ("dense T16 4096x14336 rho0", dense(16, 14336, 4096, 0.0)),
         ("dense T16 4096x14336 rho0.5", dense(16, 14336, 4096, 0.5)),
+        ("dense T16 4096x14336 rho0.5 exact", dense(16, 14336, 4096, 0.5, "exact")),
         ("dense T64 4096x14336 rho0", dense(64, 14336, 4096, 0.0)),
         ("dense T64 4096x14336 rho0.5", dense(64, 14336, 4096, 0.5)),
+        ("dense T64 4096x14336 rho0.5 exact", dense(64, 14336, 4096, 0.5, "exact")),
         ("grouped 64 tok 1024x512 rho0", grouped(64, 512, 1024, 0.0)),
         ("grouped 64 tok 1024x512 rho0.5", grouped(64, 512, 1024, 0.5)),
     ):

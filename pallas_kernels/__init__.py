@@ -10,6 +10,7 @@ from pallas_kernels.fp8_matmul import fp8_grouped_matmul, fp8_matmul
 from pallas_kernels.nvfp4_decode import DecodeConfig, nvfp4_block_values, nvfp4_block_values_xla
 from pallas_kernels.nvfp4_grouped_matmul import nvfp4_grouped_matmul, nvfp4_grouped_matmul_xla
 from pallas_kernels.nvfp4_matmul import GemmConfig, gemm_config, nvfp4_matmul, nvfp4_matmul_xla
+from pallas_kernels.rac import RAC_MODES, RAC_SUMS
 from pallas_kernels.quantize_activations import QuantConfig, QuantizedRows, quantize_activations, quantize_activations_rac, quantize_rows
 
 __all__ = [
@@ -17,5 +18,5 @@ __all__ = [
     "QuantConfig", "quantize_activations", "quantize_activations_rac", "QuantizedRows", "quantize_rows",
     "nvfp4_matmul", "nvfp4_matmul_xla", "nvfp4_grouped_matmul", "nvfp4_grouped_matmul_xla",
     "fp8_matmul", "fp8_grouped_matmul", "GemmConfig", "gemm_config",
-    "nvfp4_block_values", "nvfp4_block_values_xla", "DecodeConfig",
+    "nvfp4_block_values", "nvfp4_block_values_xla", "DecodeConfig", "RAC_MODES", "RAC_SUMS",
 ]

@@ -7,8 +7,8 @@ with per-expert global scales ([E, 1, 1]). out[rows of e] = x[rows of e] @ W_e.T
 Work is cut into (expert, row tile) items computed from ``group_sizes`` on the device:
 item i covers rows [start_i, end_i) of one expert, at most ``block_m`` of them; there are
 at most cdiv(M, block_m) + E items, and programs past the real count exit at once. Each
-program streams one N tile of its expert's weight (decoded once, feeding both MMAs) with
-the same main loop as the dense kernel. Empty experts produce no items. Several expert
+program streams one N tile of its expert's weight (decoded once per tile) with the same
+main loop as the dense kernel. Empty experts produce no items. Several expert
 weights that read the same rows (gate and up) share one launch, as in the dense kernel.
 """
 
@@ -23,6 +23,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from quads_jax import nvfp4
 from pallas_kernels import backend as _backend
+from pallas_kernels import rac
 from pallas_kernels.tile_math import pad_axis
 from pallas_kernels.nvfp4_matmul import (
     GemmConfig,
@@ -34,6 +35,7 @@ from pallas_kernels.nvfp4_matmul import (
     pop_operand_refs,
     quantized_operands,
     for_each_weight,
+    stacks_residual,
     output_tile,
     split_weight_refs,
     stack_residual,
@@ -134,11 +136,12 @@ def _per_expert_gw(w):
     return jnp.broadcast_to(jnp.asarray(w.global_scale, jnp.float32).reshape(-1), (e,))
 
 
-def nvfp4_grouped_matmul_xla(x, w, group_sizes, *, rac_ratio=0.0, rac_mode="token", act_scale="tensor", mode="w4a4", out_dtype=jnp.bfloat16):
-    """The XLA reference: ``lax.ragged_dot`` over the same BF16 block values."""
+def nvfp4_grouped_matmul_xla(x, w, group_sizes, *, rac_ratio=0.0, rac_mode="token", rac_sum="fp16", act_scale="tensor", mode="w4a4", out_dtype=jnp.bfloat16):
+    """The XLA reference: ``lax.ragged_dot`` over the same block values (BF16, or FP16 for
+    ``rac_sum="fp16"``'s compensated activation)."""
     ws, many = as_weights(w)
     for wi in ws:
-        _check_args(x, wi, mode, rac_ratio, rac_mode, ndim=3)
+        _check_args(x, wi, mode, rac_ratio, rac_mode, ndim=3, rac_sum=rac_sum)
     m = x.shape[0]
     group_sizes = check_group_sizes(group_sizes, m, ws[0].shape[0])
     ex = expert_of_rows(group_sizes, m)
@@ -147,28 +150,32 @@ def nvfp4_grouped_matmul_xla(x, w, group_sizes, *, rac_ratio=0.0, rac_mode="toke
 
     def one(wi):
         wv = jnp.swapaxes(nvfp4.block_values(wi, jnp.bfloat16), 1, 2)  # [E, K, N]
-        dot = lambda a: jax.lax.ragged_dot(a, wv, group_sizes, preferred_element_type=jnp.float32)
+        dot = lambda a, b=wv: jax.lax.ragged_dot(a, b, group_sizes, preferred_element_type=jnp.float32)
         gw = jnp.concatenate([_per_expert_gw(wi), jnp.zeros((1,), jnp.float32)])[ex][:, None]
         if mode == "w4a16":
             return (dot(x.astype(jnp.bfloat16)) * gw).astype(out_dtype)
-        out = dot(nvfp4.block_values(xq)) * xq.global_scale
-        if rq is not None:
-            out = out + dot(nvfp4.block_values(rq)) * rq.global_scale
+        if rq is not None and rac_sum == "fp16":
+            out = dot(rac.compensated_values(xq, rq), wv.astype(jnp.float16)) * xq.global_scale
+        else:
+            out = dot(nvfp4.block_values(xq)) * xq.global_scale
+            if rq is not None:
+                out = out + dot(nvfp4.block_values(rq)) * rq.global_scale
         return (out * gw).astype(out_dtype)
 
     outs = tuple(one(wi) for wi in ws)
     return outs if many else outs[0]
 
 
-def nvfp4_grouped_matmul(x, w, group_sizes, *, rac_ratio=0.0, rac_mode="token", act_scale="tensor", mode="w4a4", backend=None, out_dtype=jnp.bfloat16, config: GemmConfig | None = None):
+def nvfp4_grouped_matmul(x, w, group_sizes, *, rac_ratio=0.0, rac_mode="token", rac_sum="fp16", act_scale="tensor", mode="w4a4", backend=None, out_dtype=jnp.bfloat16, config: GemmConfig | None = None):
     """Per-expert x_e @ W_e.T for rows sorted by expert; see the module docstring. ``w`` may be
     a sequence of expert weights with the same E and K (gate and up): one launch, a tuple of
-    outputs."""
+    outputs. ``rac_sum`` as in ``nvfp4_matmul``."""
     if _backend.resolve(backend) == "xla":
-        return nvfp4_grouped_matmul_xla(x, w, group_sizes, rac_ratio=rac_ratio, rac_mode=rac_mode, act_scale=act_scale, mode=mode, out_dtype=out_dtype)
+        return nvfp4_grouped_matmul_xla(x, w, group_sizes, rac_ratio=rac_ratio, rac_mode=rac_mode, rac_sum=rac_sum,
+                                        act_scale=act_scale, mode=mode, out_dtype=out_dtype)
     ws, many = as_weights(w)
     for wi in ws:
-        _check_args(x, wi, mode, rac_ratio, rac_mode, ndim=3)
+        _check_args(x, wi, mode, rac_ratio, rac_mode, ndim=3, rac_sum=rac_sum)
     m, k = x.shape
     e = ws[0].shape[0]
     if any(wi.shape[0] != e for wi in ws):
@@ -178,12 +185,12 @@ def nvfp4_grouped_matmul(x, w, group_sizes, *, rac_ratio=0.0, rac_mode="token", 
         raise ValueError(f"x: the Pallas GEMM needs K % 32 == 0 (got K={k}); use backend='xla'")
     # tiles sized for the rows an expert gets on average (decode: a few), not for all rows
     cfg = config or gemm_config(-(-m // e), sum(wi.shape[1] for wi in ws), k, programs_per_row_tile=e,
-                                rac=mode == "w4a4" and rac_ratio > 0)
+                                stacked=stacks_residual(mode, rac_ratio, rac_sum))
     if cfg.path != "fused":
         raise ValueError(f"config: GemmConfig.path={cfg.path!r} is for the dense GEMM; the grouped GEMM is fused only "
                          "(backend='xla' runs lax.ragged_dot on the decoded values)")
     xq, rq = quantized_operands(x, mode=mode, rac_ratio=rac_ratio, rac_mode=rac_mode, act_scale=act_scale, backend="pallas")
-    a, gx, r = activation_operands(x, xq, rq, cfg)
+    a, gx, r = activation_operands(x, xq, rq, cfg, rac_sum)
     outs = _grouped_call(a, gx, r, tuple(wi.codes for wi in ws), tuple(_bits(wi.scales) for wi in ws),
                          tuple(_per_expert_gw(wi) for wi in ws), group_sizes, cfg=cfg, out_dtype=out_dtype,
                          interpret=_backend.interpret_mode())

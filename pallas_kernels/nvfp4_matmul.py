@@ -46,17 +46,13 @@ from pallas_kernels import backend as _backend
 from pallas_kernels import rac
 from pallas_kernels.nvfp4_decode import nvfp4_block_values
 from pallas_kernels.quantize_activations import QuantizedRows, quantize_activations_rac
-from pallas_kernels.tile_math import decode_tile, decode_words, load_even_odd, pad_axis, to_word_parts_order  # noqa: F401
+from pallas_kernels.tile_math import decode_tile, decode_words, load_even_odd, mma_acc, pad_axis, to_word_parts_order  # noqa: F401
 
 MODES = ("w4a4", "w4a16")
 
 
 # tiles: GemmConfig and the gemm_config heuristic live in quads_jax.tiling (no jax there, so
 # the SGLang plugin's Triton kernel shares them)
-
-
-def _dot_nt(a, b):
-    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
 def gemm_tile_loop(*, kt_start, steps, cfg, rows, load_a, load_w):
@@ -69,13 +65,12 @@ def gemm_tile_loop(*, kt_start, steps, cfg, rows, load_a, load_w):
     integer division in an index (a floor division hides the offsets' alignment from
     Triton, which then loads the codes byte by byte instead of 16 bytes at a time)."""
     bn = cfg.block_n
-    # swap_ab: accumulate the transposed tile W @ A.T ([bn, rows]); finish_tile transposes it
-    pair = (lambda a, w: _dot_nt(w, a)) if cfg.swap_ab else _dot_nt
 
     def body(i, acc):
         kt = kt_start + i
         for a, w in zip(load_a(kt), load_w(kt)):  # the tile's channels in parts (even/odd, or 8 word parts)
-            acc = acc + pair(a, w)
+            # swap_ab: accumulate the transposed tile W @ A.T ([bn, rows]); finish_tile transposes it
+            acc = mma_acc(acc, w, a) if cfg.swap_ab else mma_acc(acc, a, w)
         return acc
 
     return jax.lax.fori_loop(0, steps, body, jnp.zeros((bn, rows) if cfg.swap_ab else (rows, bn), jnp.float32))
@@ -109,22 +104,29 @@ def stack_residual(a, r):
     return tuple(map(inter, a, r))
 
 
+def operand_dtype(a_refs):
+    """The MMA operand type: FP16 for RAC's FP16 compensated activations (``rac_sum="fp16"``),
+    else BF16; the weight is decoded to it (exact in both)."""
+    return jnp.float16 if len(a_refs) == 1 and a_refs[0].dtype == jnp.float16 else jnp.bfloat16
+
+
 def make_loaders(*, a_refs, w_refs, act_sl, act_ok, col_sl, col_ok, cfg, interpret, w_index=()):
-    """Tile loaders for the activation rows ``act_sl`` (one BF16 ref, or codes and scale
-    bits) and the weight codes. Each returns the tile's channels in parts, the same parts
-    for both operands: the even and odd channels, or with ``decode="words"`` the eight word
-    parts (``tile_math.WORD_CHANNELS``; BF16 activations then come in that order, see
-    ``activation_operands``)."""
+    """Tile loaders for the activation rows ``act_sl`` (one BF16 or FP16 ref of values, or
+    codes and scale bits) and the weight codes. Each returns the tile's channels in parts,
+    the same parts for both operands: the even and odd channels, or with ``decode="words"``
+    the eight word parts (``tile_math.WORD_CHANNELS``; activation values then come in that
+    order, see ``activation_operands``). Both come in ``operand_dtype(a_refs)``."""
     bn, bk = cfg.block_n, cfg.block_k
     rows = act_sl.size
     wc_ref, ws_ref = w_refs
     words = cfg.decode == "words"
+    dtype = operand_dtype(a_refs)
 
     def load_w(kt):
         if words:
             wc = plgpu.load(wc_ref.at[(*w_index, col_sl, pl.ds(kt * (bk // 8), bk // 8))], mask=col_ok, other=0)
             ws = plgpu.load(ws_ref.at[(*w_index, col_sl, pl.ds(kt * (bk // 16), bk // 16))], mask=col_ok, other=0)
-            return decode_words(wc, ws, bn, bk, interpret)
+            return decode_words(wc, ws, bn, bk, interpret, dtype)
         wc = plgpu.load(wc_ref.at[(*w_index, col_sl, pl.ds(kt * (bk // 2), bk // 2))], mask=col_ok, other=0)
         if cfg.scale_load == "gather":  # scale byte j // 8 for packed column j: no reshape
             rows_w = (col_sl.start + jnp.arange(bn))[:, None]
@@ -132,7 +134,7 @@ def make_loaders(*, a_refs, w_refs, act_sl, act_ok, col_sl, col_ok, cfg, interpr
             ws = plgpu.load(ws_ref.at[(*w_index, rows_w, cols)], mask=col_ok, other=0)
         else:
             ws = plgpu.load(ws_ref.at[(*w_index, col_sl, pl.ds(kt * (bk // 16), bk // 16))], mask=col_ok, other=0)
-        return decode_tile(wc, ws, bn, bk, cfg.decode, interpret)
+        return decode_tile(wc, ws, bn, bk, cfg.decode, interpret, dtype)
 
     def load_codes(kt):
         c_ref, s_ref = a_refs
@@ -147,9 +149,9 @@ def make_loaders(*, a_refs, w_refs, act_sl, act_ok, col_sl, col_ok, cfg, interpr
         [x_ref] = a_refs
         if words:  # laid out in word-part order by activation_operands: contiguous slices
             return tuple(plgpu.load(x_ref.at[act_sl, pl.ds(kt * bk + p * (bk // 8), bk // 8)], mask=act_ok, other=0.0)
-                         .astype(jnp.bfloat16) for p in range(8))
+                         .astype(dtype) for p in range(8))
         even, odd = load_even_odd(x_ref, act_sl, kt * bk, bk, act_ok, interpret, other=0.0)
-        return even.astype(jnp.bfloat16), odd.astype(jnp.bfloat16)
+        return even.astype(dtype), odd.astype(dtype)
 
     return (load_values if len(a_refs) == 1 else load_codes), load_w
 
@@ -162,16 +164,20 @@ def pop_operand_refs(refs, na, has_gx):
     return a_refs, gx_ref, refs
 
 
-def activation_operands(x, xq, rq, cfg):
-    """The GEMM's activation inputs: (a, gx, r) with a and r either (BF16 values,) or (codes,
+def activation_operands(x, xq, rq, cfg, rac_sum="fp16"):
+    """The GEMM's activation inputs: (a, gx, r) with a and r either (values,) or (codes,
     scale bits). ``xq`` None is w4a16 (BF16 x, no global scale). With ``cfg.act_load ==
     "values"`` the quantized operands enter as their BF16 block values (exact), decoded once
-    here instead of once per program. With ``cfg.decode == "words"`` codes enter as uint32
+    here instead of once per program. A residual with ``rac_sum="fp16"`` enters summed into
+    one FP16 operand (``rac.compensated_values``, not an NVFP4 tensor: values whatever
+    ``act_load`` says) and r is None. With ``cfg.decode == "words"`` codes enter as uint32
     words and values in the word parts' channel order (``tile_math.to_word_parts_order``)."""
     words = cfg.decode == "words"
     order = (lambda v: to_word_parts_order(v, cfg.block_k)) if words else (lambda v: v)
     if xq is None:
-        return (order(x),), None, None
+        return (order(x.astype(jnp.bfloat16)),), None, None
+    if rq is not None and rac_sum == "fp16":
+        return (order(rac.compensated_values(xq, rq)),), xq.global_scale, None
     if cfg.act_load == "values":
         a = (order(nvfp4.block_values(xq, jnp.bfloat16)),)
         r = None if rq is None else (order(nvfp4.block_values(rq, jnp.bfloat16)),)
@@ -301,7 +307,7 @@ def check_weight(w, name="w", ndim=2):
         raise ValueError(f"{name}: expected a rank-{ndim} weight quantized along its last axis (K), got shape {w.shape} axis {w.axis}")
 
 
-def _check_args(x, w, mode, rac_ratio, rac_mode, ndim=2):
+def _check_args(x, w, mode, rac_ratio, rac_mode, ndim=2, rac_sum="fp16"):
     check_weight(w, ndim=ndim)
     if not hasattr(x, "ndim") or x.ndim != 2:
         raise ValueError(f"x: expected a 2-D array [T, K], got shape {getattr(x, 'shape', None)}")
@@ -309,7 +315,7 @@ def _check_args(x, w, mode, rac_ratio, rac_mode, ndim=2):
         raise ValueError(f"x: K={x.shape[1]} does not match the weight's K={w.shape[-1]} (w.shape={w.shape})")
     if mode not in MODES:
         raise ValueError(f"mode={mode!r}: expected one of {MODES}")
-    rac.check_rac(rac_ratio, rac_mode)
+    rac.check_rac(rac_ratio, rac_mode, rac_sum)
     if mode == "w4a16" and rac_ratio > 0:
         raise ValueError("rac_ratio: residual compensation needs mode='w4a4' (w4a16 has no activation error)")
 
@@ -328,6 +334,12 @@ def quantized_operands(x, *, mode, rac_ratio, rac_mode, act_scale, backend, quan
                                     config=quant_config)
 
 
+def stacks_residual(mode, rac_ratio, rac_sum) -> bool:
+    """Whether the fused GEMM's token operand holds a residual row per token (RAC with
+    ``rac_sum="exact"``): the tiles are chosen for twice the rows."""
+    return mode == "w4a4" and rac_ratio > 0 and rac_sum == "exact"
+
+
 def as_weights(w):
     """(weights tuple, whether a sequence was given): GEMMs take one NVFP4 weight or several
     that share the activations (q/k/v, gate/up), computed in one launch."""
@@ -338,32 +350,37 @@ def as_weights(w):
     return (w,), False
 
 
-def nvfp4_matmul_xla(x, w, *, rac_ratio=0.0, rac_mode="token", act_scale="tensor", mode="w4a4", out_dtype=jnp.bfloat16):
-    """The XLA reference: the same operands and epilogue with ``jnp.dot`` (BF16 in, FP32 out)."""
+def nvfp4_matmul_xla(x, w, *, rac_ratio=0.0, rac_mode="token", rac_sum="fp16", act_scale="tensor", mode="w4a4", out_dtype=jnp.bfloat16):
+    """The XLA reference: the same operands and epilogue with ``jnp.dot`` (BF16 or FP16 in,
+    FP32 out)."""
     ws, many = as_weights(w)
     for wi in ws:
-        _check_args(x, wi, mode, rac_ratio, rac_mode)
+        _check_args(x, wi, mode, rac_ratio, rac_mode, rac_sum=rac_sum)
     if mode == "w4a16":
         outs = tuple(dequant_dot(None, None, wi, x=x, out_dtype=out_dtype) for wi in ws)
     else:
         xq, rq = quantized_operands(x, mode=mode, rac_ratio=rac_ratio, rac_mode=rac_mode, act_scale=act_scale, backend="xla")
-        outs = tuple(dequant_dot(xq, rq, wi, out_dtype=out_dtype) for wi in ws)
+        outs = tuple(dequant_dot(xq, rq, wi, out_dtype=out_dtype, rac_sum=rac_sum) for wi in ws)
     return outs if many else outs[0]
 
 
-def dequant_dot(xq, rq, w, *, x=None, out_dtype=jnp.bfloat16, values=nvfp4.block_values):
-    """gw * (gx * Xv @ Wv.T + gr * Rv @ Wv.T) from the operands' BF16 block values (exact)
-    with a BF16 dot accumulating in FP32; ``xq`` None means BF16 activations ``x`` (w4a16).
-    The XLA reference, and the Pallas backend's ``path="dequant"`` (prefill sizes), which
-    passes the Pallas decode kernel as ``values`` (NVFP4Tensor -> BF16 block values)."""
+def dequant_dot(xq, rq, w, *, x=None, out_dtype=jnp.bfloat16, values=nvfp4.block_values, rac_sum="fp16"):
+    """gw * (gx * Xv @ Wv.T + gr * Rv @ Wv.T) from the operands' block values (exact) with a
+    BF16 dot accumulating in FP32 (``rac_sum="fp16"``: one FP16 dot of the compensated
+    activation, ``rac.compensated_values``); ``xq`` None means BF16 activations ``x``
+    (w4a16). The XLA reference, and the Pallas backend's ``path="dequant"`` (prefill sizes),
+    which passes the Pallas decode kernel as ``values`` (NVFP4Tensor -> BF16 block values)."""
     wv = values(w)
-    dot = lambda a: jax.lax.dot_general(a, wv, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    dot = lambda a, b=wv: jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
     gw = jnp.asarray(w.global_scale, jnp.float32)
     if xq is None:
         return (dot(x.astype(jnp.bfloat16)) * gw).astype(out_dtype)
-    out = dot(values(xq)) * xq.global_scale
-    if rq is not None:
-        out = out + dot(values(rq)) * rq.global_scale
+    if rq is not None and rac_sum == "fp16":
+        out = dot(rac.compensated_values(xq, rq, values), wv.astype(jnp.float16)) * xq.global_scale
+    else:
+        out = dot(values(xq)) * xq.global_scale
+        if rq is not None:
+            out = out + dot(values(rq)) * rq.global_scale
     return (out * gw).astype(out_dtype)
 
 
@@ -371,32 +388,35 @@ def _bits(scales):
     return jax.lax.bitcast_convert_type(scales, jnp.uint8)
 
 
-def nvfp4_matmul(x, w, *, rac_ratio=0.0, rac_mode="token", act_scale="tensor", mode="w4a4", backend=None, out_dtype=jnp.bfloat16, config: GemmConfig | None = None, quant_config=None):
+def nvfp4_matmul(x, w, *, rac_ratio=0.0, rac_mode="token", rac_sum="fp16", act_scale="tensor", mode="w4a4", backend=None, out_dtype=jnp.bfloat16, config: GemmConfig | None = None, quant_config=None):
     """x [T, K] @ W.T for an NVFP4 weight W [N, K] (checkpoint layout, quantized along K).
 
     mode "w4a4": activations quantized to NVFP4 on the fly (per-tensor or per-token global
-    scale), plus RAC with ``rac_ratio`` (0 = naive W4A4); "w4a16": BF16 activations.
+    scale), plus RAC with ``rac_ratio`` (0 = naive W4A4), its two products added as ``rac_sum``
+    says (``pallas_kernels.rac``: "fp16", one FP16 MMA of the compensated activation, or
+    "exact", the two products summed in FP32); "w4a16": BF16 activations.
     Returns [T, N] in ``out_dtype``. ``w`` may be a sequence of weights with the same K (the
     projections that read one input): then the activations are quantized once, one launch
     computes every product, and the result is the tuple of their outputs. ``backend`` None
     uses the process default; ``config`` and ``quant_config`` override the GEMM's and the
     activation quantizer's tuning (the GEMM's tiles are chosen for the summed N)."""
     if _backend.resolve(backend) == "xla":
-        return nvfp4_matmul_xla(x, w, rac_ratio=rac_ratio, rac_mode=rac_mode, act_scale=act_scale, mode=mode, out_dtype=out_dtype)
+        return nvfp4_matmul_xla(x, w, rac_ratio=rac_ratio, rac_mode=rac_mode, rac_sum=rac_sum, act_scale=act_scale, mode=mode,
+                                out_dtype=out_dtype)
     ws, many = as_weights(w)
     for wi in ws:
-        _check_args(x, wi, mode, rac_ratio, rac_mode)
+        _check_args(x, wi, mode, rac_ratio, rac_mode, rac_sum=rac_sum)
     t, k = x.shape
     if k % 32:
         raise ValueError(f"x: the Pallas GEMM needs K % 32 == 0 (got K={k}); use backend='xla'")
-    cfg = config or gemm_config(t, sum(wi.shape[0] for wi in ws), k, rac=mode == "w4a4" and rac_ratio > 0)
+    cfg = config or gemm_config(t, sum(wi.shape[0] for wi in ws), k, stacked=stacks_residual(mode, rac_ratio, rac_sum))
     xq, rq = quantized_operands(x, mode=mode, rac_ratio=rac_ratio, rac_mode=rac_mode, act_scale=act_scale, backend="pallas",
                                 quant_config=quant_config)
     if cfg.path == "dequant":
         values = functools.partial(nvfp4_block_values, backend="pallas")
-        outs = tuple(dequant_dot(xq, rq, wi, x=x, out_dtype=out_dtype, values=values) for wi in ws)
+        outs = tuple(dequant_dot(xq, rq, wi, x=x, out_dtype=out_dtype, values=values, rac_sum=rac_sum) for wi in ws)
     else:
-        a, gx, r = activation_operands(x, xq, rq, cfg)
+        a, gx, r = activation_operands(x, xq, rq, cfg, rac_sum)
         gw = tuple(jnp.reshape(jnp.asarray(wi.global_scale, jnp.float32), (1,)) for wi in ws)
         outs = _gemm_call(a, gx, r, tuple(wi.codes for wi in ws), tuple(_bits(wi.scales) for wi in ws), gw, cfg=cfg,
                           out_dtype=out_dtype, interpret=_backend.interpret_mode())

@@ -17,6 +17,21 @@ the global scale ``gx / 4``: the residual of a block never exceeds one E2M1 step
 block scale (<= 448 * gx), so gx / 4 keeps every residual block scale in E4M3 range, and
 it needs no second pass over the tensor (it is what a dynamic amax of r would give, up to
 a factor < 2). The compensated product is ``dq(q(x)) @ W.T + dq(q(r_sel)) @ W.T``.
+
+How the GEMMs add the two products (``rac_sum``):
+
+- ``"fp16"`` (default): one operand, the compensated activation ``Xq + Rq / 4`` (block
+  values; gr / gx = 1/4) rounded once to FP16, times the weight decoded to FP16 (exact):
+  one MMA, so RAC costs the naive W4A4 GEMM's time. FP16's 11 significant bits hold the sum
+  exactly in ~99.5% of entries (heavy-tailed activations, rho 0.5 and 1); elsewhere the
+  rounding is <= 2**-11 relative, ~100x below the residual's own quantization error and
+  below the BF16 output's rounding (2**-9). BF16 could not: 6-14% of sums would round.
+- ``"exact"``: the two products accumulated in FP32 (the Pallas GEMM stacks each token's
+  residual row next to its activation row: one MMA of twice the tokens), a native NVFP4
+  GEMM's numerics up to accumulation order.
+
+Both backends compute the same numbers for either choice (``compensated_values`` is
+shared).
 """
 
 from __future__ import annotations
@@ -29,14 +44,26 @@ import jax.numpy as jnp
 from quads_jax import nvfp4
 
 RAC_MODES = ("token", "tensor", "channel")
+RAC_SUMS = ("fp16", "exact")
 RESIDUAL_SCALE_FACTOR = 0.25  # gr = gx * 0.25 (exact)
 
 
-def check_rac(rac_ratio: float, rac_mode: str) -> None:
+def check_rac(rac_ratio: float, rac_mode: str, rac_sum: str = "fp16") -> None:
     if not (isinstance(rac_ratio, (int, float)) and 0.0 <= rac_ratio <= 1.0):
         raise ValueError(f"rac_ratio={rac_ratio!r}: expected a number in [0, 1]")
     if rac_mode not in RAC_MODES:
         raise ValueError(f"rac_mode={rac_mode!r}: expected one of {RAC_MODES}")
+    if rac_sum not in RAC_SUMS:
+        raise ValueError(f"rac_sum={rac_sum!r}: expected one of {RAC_SUMS}")
+
+
+def compensated_values(xq: nvfp4.NVFP4Tensor, rq: nvfp4.NVFP4Tensor, values=nvfp4.block_values):
+    """``rac_sum="fp16"``'s operand: Xq + Rq * gr / gx (block values, summed in float32, then
+    rounded once to FP16), [T, K] float16; times gx it is dq(q(x)) + dq(q(r_sel)).
+    ``values`` maps an NVFP4Tensor to its (exact) block values."""
+    a = values(xq).astype(jnp.float32)
+    r = values(rq).astype(jnp.float32)
+    return (a + r * RESIDUAL_SCALE_FACTOR).astype(jnp.float16)
 
 
 def num_selected(rac_ratio: float, count: int) -> int:

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax._src.pallas.triton import lowering as _triton_lowering  # jax is pinned (0.11.2): see mma_acc
 from jax.experimental import pallas as pl
+from jax.extend import core as jax_core
+from jax.interpreters import mlir
 from jax.experimental.pallas import triton as plgpu
 
 from quads_jax import nvfp4
@@ -38,6 +41,43 @@ def _ptx_binary(op: str):
 TRITON_ARITH = nvfp4.Arith(div=_ptx_binary("div.rn.f32"), opaque=lambda x: x, mul=_ptx_binary("mul.rn.f32"))
 
 
+# ----------------------------------------------------------------------------- MMA into the accumulator
+#
+# ``acc + jax.lax.dot_general(a, b)`` lowers in Pallas' Triton backend to a dot into a fresh
+# zero accumulator and a separate float add, which Triton's dot-add combine does not fold
+# (the zero is a splat, not a constant): offline SASS of the decode GEMMs showed one FADD per
+# accumulator value per K part (a third of the T=64 loop) and a wgmma wait after every MMA.
+# ``mma_acc`` is one primitive whose Triton lowering is ``tt.dot(a, b.T, acc)``, so the MMAs
+# of a K tile chain on the accumulator; elsewhere (XLA, interpret mode) it is the plain sum.
+
+def _mma_acc_impl(acc, a, b):
+    return acc + jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+mma_acc_p = jax_core.Primitive("quads_mma_acc")
+mma_acc_p.def_impl(_mma_acc_impl)
+mma_acc_p.def_abstract_eval(lambda acc, a, b: jax.core.ShapedArray(acc.shape, acc.dtype))
+mlir.register_lowering(mma_acc_p, mlir.lower_fun(_mma_acc_impl, multiple_results=False))
+
+
+def _mma_acc_triton(ctx, acc, a, b):
+    from jax._src.lib.triton import dialect as tt_dialect
+
+    return tt_dialect.dot(a, tt_dialect.trans(b, (1, 0)), acc)
+
+
+_triton_lowering.triton_lowering_rules[mma_acc_p] = _mma_acc_triton
+
+
+def mma_acc(acc, a, b):
+    """acc + a @ b.T in FP32 (a [m, k], b [n, k] BF16 or FP16, acc [m, n] float32): one MMA
+    accumulating in place in compiled kernels."""
+    if acc.dtype != jnp.float32 or a.dtype != b.dtype or a.shape[1] != b.shape[1] or acc.shape != (a.shape[0], b.shape[0]):
+        raise ValueError(f"mma_acc: expected float32 acc [m, n], a [m, k], b [n, k] of one type; got acc {acc.dtype}{acc.shape}, "
+                         f"a {a.dtype}{a.shape}, b {b.dtype}{b.shape}")
+    return mma_acc_p.bind(acc, a, b)
+
+
 def load_even_odd(ref, rows, start, width, mask, interpret, other=0):
     """The even and odd columns of ``ref[rows, start:start + width]`` ([r, width // 2]
     each): the low and high nibbles of packed codes. Compiled: two stride-2 loads.
@@ -51,24 +91,30 @@ def load_even_odd(ref, rows, start, width, mask, interpret, other=0):
     return v[:, :, 0], v[:, :, 1]
 
 
-def decode_tile(codes, scale_bits, rows, bk, decode="bits", interpret=False):
+def scales_as(scale_bits, dtype):
+    """E4M3 scale bits -> their values in the operand type (BF16 or FP16; exact in both).
+    The BF16 values come from integer bit operations: in the compiled loop ~40% fewer
+    instructions than the float32 decode and conversion (run-11 analysis)."""
+    s = nvfp4.decode_e4m3_bf16(scale_bits.astype(jnp.int32))
+    return s if jnp.dtype(dtype) == jnp.bfloat16 else s.astype(dtype)
+
+
+def decode_tile(codes, scale_bits, rows, bk, decode="bits", interpret=False, dtype=jnp.bfloat16):
     """Packed codes [rows, bk/2] (uint8) and E4M3 scale bits, either [rows, bk/16] or
     already one per channel pair [rows, bk/2] -> the even and odd channels' block values
-    in BF16 (exact: E2M1 x E4M3 has at most 6 significant bits), each [rows, bk/2]."""
+    in ``dtype``, BF16 or FP16 (exact: E2M1 x E4M3 has at most 6 significant bits), each
+    [rows, bk/2]."""
+    operand_key(dtype)
     c = codes.astype(jnp.int32)
-    # the scales' BF16 values by integer bit operations (exact): in the compiled loop this
-    # is ~40% fewer instructions than the float32 decode and conversion (run-11 analysis)
-    s = nvfp4.decode_e4m3_bf16(scale_bits.astype(jnp.int32))
+    s = scales_as(scale_bits, dtype)
     if s.shape[-1] != bk // 2:
         s = jnp.broadcast_to(s[:, :, None], (rows, bk // 16, 8)).reshape(rows, bk // 2)
     if decode == "prmt" and not interpret:
         return prmt_decode(codes.astype(jnp.uint8), s)
     if decode in ("bits", "prmt"):
-        return nvfp4.decode_e2m1_bf16(c & 15) * s, nvfp4.decode_e2m1_bf16(c >> 4) * s
+        return tuple(nvfp4.decode_e2m1_bf16(v).astype(dtype) * s for v in (c & 15, c >> 4))
     s = s.astype(jnp.float32)
-    lo = (nvfp4.decode_e2m1_arith(c & 15) * s).astype(jnp.bfloat16)
-    hi = (nvfp4.decode_e2m1_arith(c >> 4) * s).astype(jnp.bfloat16)
-    return lo, hi
+    return tuple((nvfp4.decode_e2m1_arith(v) * s).astype(dtype) for v in (c & 15, c >> 4))
 
 
 def store_even_odd(ref, rows, start, width, mask, even, odd, interpret):
@@ -109,10 +155,38 @@ def pad_axis(x, axis: int, size: int):
 
 HI_BYTES = (0x00, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40)  # BF16 bits 15..8 of 0, .5, 1, 1.5, 2, 3, 4, 6
 LO_BYTES = (0x00, 0x00, 0x80, 0xC0, 0x00, 0x40, 0x80, 0xC0)  # BF16 bits 7..0
+# FP16 operands (RAC's summed activation, ``rac.compensated_values``, is FP16): an E2M1
+# magnitude's FP16 pattern has one mantissa bit, in the high byte; its low byte is zero, so
+# the second lookup is a zero register. E2M1 x E4M3 is exact in FP16 too (6 significant bits,
+# magnitudes 2**-10 .. 2688).
+HI_BYTES_F16 = (0x00, 0x38, 0x3C, 0x3E, 0x40, 0x42, 0x44, 0x46)
+# per operand type: (high-byte table, low-byte table or None for zeros, the PTX product type)
+OPERAND_TABLES = {"bf16": (HI_BYTES, LO_BYTES, "bf16x2"), "f16": (HI_BYTES_F16, None, "f16x2")}
+
+
+def operand_key(dtype) -> str:
+    """"bf16" or "f16": the MMA operand type the decode produces."""
+    if jnp.dtype(dtype) == jnp.float16:
+        return "f16"
+    if jnp.dtype(dtype) == jnp.bfloat16:
+        return "bf16"
+    raise ValueError(f"dtype={dtype}: the weight decode produces bfloat16 or float16 operands")
 
 
 def _word(table, start):
-    return sum(b << (8 * i) for i, b in enumerate(table[start:start + 4]))
+    return sum(b << (8 * i) for i, b in enumerate(table[start:start + 4])) if table else 0
+
+
+def _tables_ptx(key):
+    hi, lo, _ = OPERAND_TABLES[key]
+    return (f"    mov.b32 qha, {_word(hi, 0):#x};\n    mov.b32 qhb, {_word(hi, 4):#x};\n"
+            f"    mov.b32 qla, {_word(lo, 0):#x};\n    mov.b32 qlb, {_word(lo, 4):#x};\n")
+
+
+def _lookup_ptx(key):
+    """PTX: the high and low bytes of the magnitudes selected by ``qsel`` into qhi, qlo."""
+    lo = "prmt.b32 qlo, qla, qlb, qsel;" if OPERAND_TABLES[key][1] else "mov.b32 qlo, 0;"
+    return f"    prmt.b32 qhi, qha, qhb, qsel;\n    {lo}\n"
 
 
 # the selector ``t | t >> 12`` of t = codes & 0x07070707 holds the magnitudes of bytes 0, 2, 1, 3
@@ -122,18 +196,17 @@ PAIR_01, PAIR_23 = 0x6240, 0x7351
 SIGN_SPREAD = (1 << 12) | (1 << 20)  # bit 3 -> 15 and bit 11 -> 31 (the cross terms land on 23)
 
 
-def _nibble_ptx(c, out0, out1, s0, s1):
+def _nibble_ptx(c, out0, out1, s0, s1, key="bf16"):
     """PTX for the four nibbles at bits 0-3 of each byte of register ``c``."""
+    mul = OPERAND_TABLES[key][2]
     return f"""
     and.b32 qt, {c}, 0x07070707;
     shr.u32 qsel, qt, 12;
     or.b32 qsel, qsel, qt;
-    prmt.b32 qhi, qha, qhb, qsel;
-    prmt.b32 qlo, qla, qlb, qsel;
-    prmt.b32 qm0, qlo, qhi, {PAIR_01:#x};
+{_lookup_ptx(key)}    prmt.b32 qm0, qlo, qhi, {PAIR_01:#x};
     prmt.b32 qm1, qlo, qhi, {PAIR_23:#x};
-    mul.rn.bf16x2 qm0, qm0, {s0};
-    mul.rn.bf16x2 qm1, qm1, {s1};
+    mul.rn.{mul} qm0, qm0, {s0};
+    mul.rn.{mul} qm1, qm1, {s1};
     and.b32 qsg, {c}, 0x808;
     mul.lo.u32 qsg, qsg, {SIGN_SPREAD:#x};
     and.b32 qsg, qsg, 0x80008000;
@@ -145,33 +218,33 @@ def _nibble_ptx(c, out0, out1, s0, s1):
     or.b32 {out1}, qm1, qsg;"""
 
 
-def _decode_ptx(shift: int) -> str:
+def _decode_ptx(shift: int, key: str = "bf16") -> str:
     """PTX: the nibbles at bit ``shift`` of each byte of $2 (four code bytes) times their
-    BF16 scales ($3, $4: two BF16x2 words) -> four BF16 values in $0, $1."""
+    scales ($3, $4: two BF16x2 or FP16x2 words) -> four values of that type in $0, $1."""
     c = "$2" if shift == 0 else "qc"
     return (
         "{\n    .reg .b32 qt, qsel, qhi, qlo, qm0, qm1, qsg, qc, qha, qhb, qla, qlb;\n"
-        f"    mov.b32 qha, {_word(HI_BYTES, 0):#x};\n    mov.b32 qhb, {_word(HI_BYTES, 4):#x};\n"
-        f"    mov.b32 qla, {_word(LO_BYTES, 0):#x};\n    mov.b32 qlb, {_word(LO_BYTES, 4):#x};\n"
-        f"    shr.u32 qc, $2, {shift};"
-        + _nibble_ptx(c, "$0", "$1", "$3", "$4")
+        + _tables_ptx(key)
+        + f"    shr.u32 qc, $2, {shift};"
+        + _nibble_ptx(c, "$0", "$1", "$3", "$4", key)
         + "\n}"
     )
 
 
 # two programs, not one with four outputs: jax 0.11's Pallas lowering of elementwise_inline_asm
 # returns a single result (seen on the H200: "2 outvars do not match 1 outvals")
-PRMT_DECODE_PTX = (_decode_ptx(0), _decode_ptx(4))
+PRMT_DECODE_PTX = {key: (_decode_ptx(0, key), _decode_ptx(4, key)) for key in OPERAND_TABLES}
 
 
-def prmt_decode(codes, scale_bf16):
-    """Packed codes [r, c] (uint8) and each pair's BF16 block scale [r, c] -> the low and
-    high nibbles' block values (BF16, exact), through ``PRMT_DECODE_PTX`` (compiled only)."""
-    out = jax.ShapeDtypeStruct(codes.shape, jnp.bfloat16)
+def prmt_decode(codes, scale):
+    """Packed codes [r, c] (uint8) and each pair's block scale [r, c] (BF16 or FP16: the
+    operand type) -> the low and high nibbles' block values (exact), through
+    ``PRMT_DECODE_PTX`` (compiled only)."""
+    out = jax.ShapeDtypeStruct(codes.shape, scale.dtype)
     return tuple(
-        plgpu.elementwise_inline_asm(ptx, args=[codes, scale_bf16], constraints="=&r,=&r,r,r,r", pack=4,
+        plgpu.elementwise_inline_asm(ptx, args=[codes, scale], constraints="=&r,=&r,r,r,r", pack=4,
                                      result_shape_dtypes=[out])[0]  # early clobber: outputs are written
-        for ptx in PRMT_DECODE_PTX                                   # while inputs are still read
+        for ptx in PRMT_DECODE_PTX[operand_key(scale.dtype)]        # while inputs are still read
     )
 
 
@@ -188,15 +261,22 @@ def _prmt(a, b, sel):
     return out
 
 
-def prmt_decode_emulated(words):
-    """The integer steps of ``PRMT_DECODE_PTX`` on uint32 numpy words (four code bytes each),
-    without the scale product: [n, 4] low-nibble and [n, 4] high-nibble BF16 bit patterns.
-    Lets the CPU tests check the constants and permutes the compiled kernel uses."""
+def _emulated_tables(words, key):
+    import numpy as np
+
+    hi, lo, _ = OPERAND_TABLES[key]
+    return [np.full_like(words, _word(t, s), dtype=np.uint32) for t in (hi, lo) for s in (0, 4)]
+
+
+def prmt_decode_emulated(words, key="bf16"):
+    """The integer steps of ``PRMT_DECODE_PTX[key]`` on uint32 numpy words (four code bytes
+    each), without the scale product: [n, 4] low-nibble and [n, 4] high-nibble BF16 (or
+    FP16) bit patterns. Lets the CPU tests check the constants and permutes the compiled
+    kernel uses."""
     import numpy as np
 
     words = np.asarray(words, np.uint32)
-    full = lambda v: np.full_like(words, v, dtype=np.uint32)
-    hia, hib, loa, lob = (full(_word(t, s)) for t in (HI_BYTES, LO_BYTES) for s in (0, 4))
+    hia, hib, loa, lob = _emulated_tables(words, key)
 
     def nibbles(c):
         t = c & np.uint32(0x07070707)
@@ -225,25 +305,25 @@ def prmt_decode_emulated(words):
 WORD_CHANNELS = (0, 2, 4, 6, 1, 3, 5, 7)
 
 
-def _word_pair_ptx(shift: int, half: int) -> str:
+def _word_pair_ptx(shift: int, half: int, key: str = "bf16") -> str:
     """PTX: the nibbles at bit ``shift`` of bytes (2 half, 2 half + 1) of word $1, times the
-    BF16 scale pair $2 -> one BF16x2 word $0 (the first byte's value in the low half)."""
+    scale pair $2 -> one BF16x2 / FP16x2 word $0 (the first byte's value in the low half)."""
     src = "$1" if shift == 0 else "qc"
     pair = PAIR_01 if half == 0 else PAIR_23
     sign = f"and.b32 qsg, {src}, 0x808;" if half == 0 else f"shr.u32 qsg, {src}, 16;\n    and.b32 qsg, qsg, 0x808;"
     return (
         "{\n    .reg .b32 qt, qsel, qhi, qlo, qm, qsg, qc, qha, qhb, qla, qlb;\n"
-        f"    mov.b32 qha, {_word(HI_BYTES, 0):#x};\n    mov.b32 qhb, {_word(HI_BYTES, 4):#x};\n"
-        f"    mov.b32 qla, {_word(LO_BYTES, 0):#x};\n    mov.b32 qlb, {_word(LO_BYTES, 4):#x};\n"
-        f"    shr.u32 qc, $1, {shift};\n    and.b32 qt, {src}, 0x07070707;\n"
+        + _tables_ptx(key)
+        + f"    shr.u32 qc, $1, {shift};\n    and.b32 qt, {src}, 0x07070707;\n"
         "    shr.u32 qsel, qt, 12;\n    or.b32 qsel, qsel, qt;\n"
-        "    prmt.b32 qhi, qha, qhb, qsel;\n    prmt.b32 qlo, qla, qlb, qsel;\n"
-        f"    prmt.b32 qm, qlo, qhi, {pair:#x};\n    mul.rn.bf16x2 qm, qm, $2;\n    {sign}\n"
+        + _lookup_ptx(key)
+        + f"    prmt.b32 qm, qlo, qhi, {pair:#x};\n    mul.rn.{OPERAND_TABLES[key][2]} qm, qm, $2;\n    {sign}\n"
         f"    mul.lo.u32 qsg, qsg, {SIGN_SPREAD:#x};\n    and.b32 qsg, qsg, 0x80008000;\n    or.b32 $0, qm, qsg;\n}}"
     )
 
 
-WORD_DECODE_PTX = tuple(_word_pair_ptx(shift, half) for shift in (0, 4) for half in (0, 1))  # parts (0,1) (2,3) (4,5) (6,7)
+# parts (0,1) (2,3) (4,5) (6,7), per operand type
+WORD_DECODE_PTX = {key: tuple(_word_pair_ptx(shift, half, key) for shift in (0, 4) for half in (0, 1)) for key in OPERAND_TABLES}
 
 
 def to_word_parts_order(v, bk: int):
@@ -255,33 +335,34 @@ def to_word_parts_order(v, bk: int):
     return jnp.swapaxes(g, 2, 3).reshape(t, k)
 
 
-def decode_words(words, scale_bits, rows, bk, interpret=False):
-    """Code words [rows, bk/8] and E4M3 scale bits [rows, bk/16] -> the eight BF16 parts
-    [rows, bk/8] of the tile's block values (exact), in WORD_CHANNELS order."""
-    s = nvfp4.decode_e4m3_bf16(scale_bits.astype(jnp.int32))  # [rows, bk/16]
+def decode_words(words, scale_bits, rows, bk, interpret=False, dtype=jnp.bfloat16):
+    """Code words [rows, bk/8] and E4M3 scale bits [rows, bk/16] -> the eight parts
+    [rows, bk/8] of the tile's block values in ``dtype`` (BF16 or FP16, exact), in
+    WORD_CHANNELS order."""
+    key = operand_key(dtype)
+    s = scales_as(scale_bits, dtype)  # [rows, bk/16]
     if interpret:
         s = jnp.broadcast_to(s[:, :, None], (rows, bk // 16, 2)).reshape(rows, bk // 8)
         w = words.astype(jnp.uint32)
-        return [nvfp4.decode_e2m1_bf16(((w >> (4 * ch)) & 15).astype(jnp.int32)) * s for ch in WORD_CHANNELS]
+        return [nvfp4.decode_e2m1_bf16(((w >> (4 * ch)) & 15).astype(jnp.int32)).astype(dtype) * s for ch in WORD_CHANNELS]
     s16 = jax.lax.bitcast_convert_type(s, jnp.uint16).astype(jnp.uint32)
     s2 = jnp.broadcast_to((s16 * 0x10001)[:, :, None], (rows, bk // 16, 2)).reshape(rows, bk // 8)
     parts = []
-    for ptx in WORD_DECODE_PTX:
+    for ptx in WORD_DECODE_PTX[key]:
         [o] = plgpu.elementwise_inline_asm(ptx, args=[words, s2], constraints="=r,r,r", pack=1,
                                            result_shape_dtypes=[jax.ShapeDtypeStruct(words.shape, jnp.int32)])
         for q in (0, 1):
-            parts.append(jax.lax.bitcast_convert_type(((o >> (16 * q)) & 0xFFFF).astype(jnp.uint16), jnp.bfloat16))
+            parts.append(jax.lax.bitcast_convert_type(((o >> (16 * q)) & 0xFFFF).astype(jnp.uint16), dtype))
     return parts
 
 
-def word_decode_emulated(words):
-    """The integer steps of ``WORD_DECODE_PTX`` on uint32 numpy words, without the scale
-    product: [n, 8] BF16 bit patterns in WORD_CHANNELS order (for the CPU tests)."""
+def word_decode_emulated(words, key="bf16"):
+    """The integer steps of ``WORD_DECODE_PTX[key]`` on uint32 numpy words, without the scale
+    product: [n, 8] BF16 (or FP16) bit patterns in WORD_CHANNELS order (for the CPU tests)."""
     import numpy as np
 
     words = np.asarray(words, np.uint32)
-    full = lambda v: np.full_like(words, v, dtype=np.uint32)
-    hia, hib, loa, lob = (full(_word(t, s)) for t in (HI_BYTES, LO_BYTES) for s in (0, 4))
+    hia, hib, loa, lob = _emulated_tables(words, key)
     out = []
     for shift in (0, 4):
         c = words >> np.uint32(shift)

@@ -54,6 +54,7 @@ class Precision:
     router: str = "bf16"
     lm_head: str = "bf16"
     rac_ratio: float = 0.0
+    rac_sum: str = "fp16"  # how W4A4 GEMMs add RAC's product: "fp16" or "exact" (pallas_kernels.rac)
     backend: str | None = None  # None: the process default of pallas_kernels
 
     def __post_init__(self):
@@ -63,6 +64,8 @@ class Precision:
                 raise ValueError(f"precision.{k}={m!r}: expected one of {sorted(set(TRAIN_MODES + ROLLOUT_MODES))}")
         if not 0.0 <= float(self.rac_ratio) <= 1.0:
             raise ValueError(f"precision.rac_ratio={self.rac_ratio!r}: expected a number in [0, 1]")
+        if self.rac_sum not in pk.RAC_SUMS:
+            raise ValueError(f"precision.rac_sum={self.rac_sum!r}: expected one of {pk.RAC_SUMS}")
 
     def mode(self, kind: str) -> str:
         if kind not in KINDS:
@@ -98,13 +101,16 @@ def train_policy(name: str) -> Precision:
     return TRAIN_POLICIES[name]
 
 
-def rollout_recipe(name: str, rac_ratio: float | None = None, backend: str | None = None) -> Precision:
-    """The named rollout recipe, optionally with its RAC ratio and kernel backend replaced."""
+def rollout_recipe(name: str, rac_ratio: float | None = None, backend: str | None = None, rac_sum: str | None = None) -> Precision:
+    """The named rollout recipe, optionally with its RAC ratio, RAC sum and kernel backend
+    replaced."""
     if name not in ROLLOUT_RECIPES:
         raise ValueError(f"rollout recipe {name!r}: expected one of {sorted(ROLLOUT_RECIPES)}")
     p = ROLLOUT_RECIPES[name]
     if rac_ratio is not None:
         p = dataclasses.replace(p, rac_ratio=float(rac_ratio))
+    if rac_sum is not None:
+        p = dataclasses.replace(p, rac_sum=rac_sum)
     if backend is not None:
         from pallas_kernels.backend import BACKENDS
         if backend not in BACKENDS:
@@ -181,7 +187,7 @@ def _nvfp4_launches(ws):
     return [ws] if FUSE_SHARED_INPUT else [(wi,) for wi in ws]
 
 
-def linear(x, w, mode: str, *, dtype=jnp.bfloat16, rac_ratio: float = 0.0, backend=None):
+def linear(x, w, mode: str, *, dtype=jnp.bfloat16, rac_ratio: float = 0.0, rac_sum: str = "fp16", backend=None):
     """``x @ W.T`` for x [..., K] (or QuantizedRows [T, K]) and W [N, K] (float, NVFP4Tensor
     or FP8Tensor). ``w`` may be a list of weights that read the same x (q/k/v, gate/up):
     the list of their outputs, from one kernel launch when they are NVFP4."""
@@ -190,7 +196,7 @@ def linear(x, w, mode: str, *, dtype=jnp.bfloat16, rac_ratio: float = 0.0, backe
     x2 = x if isinstance(x, pk.QuantizedRows) else x.reshape(-1, x.shape[-1])
     launches = _nvfp4_launches(ws)
     if launches is not None:
-        ys = sum((pk.nvfp4_matmul(_bf16(x2), g, rac_ratio=rac_ratio if mode == "w4a4" else 0.0, act_scale="token",
+        ys = sum((pk.nvfp4_matmul(_bf16(x2), g, rac_ratio=rac_ratio if mode == "w4a4" else 0.0, rac_sum=rac_sum, act_scale="token",
                                   mode="w4a16" if mode == "w4a16" else "w4a4", backend=backend, out_dtype=dtype)
                   for g in launches), ())
     else:
@@ -228,7 +234,7 @@ def _bf16(x):
     return x if isinstance(x, pk.QuantizedRows) else x.astype(jnp.bfloat16)
 
 
-def grouped_linear(x, w, group_sizes, mode: str, *, dtype=jnp.bfloat16, rac_ratio: float = 0.0, backend=None):
+def grouped_linear(x, w, group_sizes, mode: str, *, dtype=jnp.bfloat16, rac_ratio: float = 0.0, rac_sum: str = "fp16", backend=None):
     """Per-expert ``x_e @ W_e.T`` for rows of x [M, K] (or QuantizedRows) sorted by expert and
     W [E, N, K]; ``w`` may be a list of expert weights that read the same rows (gate/up): the
     list of outputs, from one kernel launch when they are NVFP4."""
@@ -236,7 +242,7 @@ def grouped_linear(x, w, group_sizes, mode: str, *, dtype=jnp.bfloat16, rac_rati
     launches = _nvfp4_launches(ws)
     if launches is not None:
         ys = sum((pk.nvfp4_grouped_matmul(_bf16(x), g, group_sizes, rac_ratio=rac_ratio if mode == "w4a4" else 0.0,
-                                          act_scale="token", mode="w4a16" if mode == "w4a16" else "w4a4", backend=backend,
+                                          rac_sum=rac_sum, act_scale="token", mode="w4a16" if mode == "w4a16" else "w4a4", backend=backend,
                                           out_dtype=dtype)
                   for g in launches), ())
     else:

@@ -71,43 +71,55 @@ SCALE_LOADS = ("reshape", "gather")
 PATHS = ("fused", "dequant")
 ACT_LOADS = ("codes", "values")
 PREFILL_DEQUANT_MIN_T = 512  # token count from which the dense GEMM takes path="dequant"
-# the decode-size GEMMs' weight-tile decode: "prmt" (measured best on the H200, run 9-11) or
-# "words" (fewer instructions in the offline SASS, run 11; not measured on the device yet).
-# With "words" the rollout engine stores its NVFP4 weights as code words. A benchmark switch:
-# QUADS_GEMM_DECODE=words. Read at call time.
-DEFAULT_DECODE = os.environ.get("QUADS_GEMM_DECODE", "prmt")
+# the decode-size GEMMs' weight-tile decode: "words" (measured best on the H200 in run 12,
+# 4096 x 14336 GEMM only: T=16 35 us against prmt's 48, T=64 54 against 76; rollout 28.5k
+# against 27.0k tok/s) or "prmt" (best in runs 9-11). The rollout engine stores its NVFP4
+# weights the way the default reads them (code words for "words"). A benchmark switch:
+# QUADS_GEMM_DECODE=prmt. Read at import.
+DEFAULT_DECODE = os.environ.get("QUADS_GEMM_DECODE", "words")
 if DEFAULT_DECODE not in ("prmt", "words"):
     raise ValueError(f"QUADS_GEMM_DECODE={DEFAULT_DECODE!r}: expected 'prmt' or 'words'")
 
 
-def gemm_config(t: int, n: int, k: int, programs_per_row_tile: int = 1, rac: bool = False) -> GemmConfig:
-    """Heuristic tiles: decode (few tokens) streams the weight in 128 x 128 tiles with
+def gemm_config(t: int, n: int, k: int, programs_per_row_tile: int = 1, stacked: bool = False) -> GemmConfig:
+    """Heuristic tiles: decode (few tokens) streams the weight in block_n x 128 tiles with
     split-K until ~2 waves of programs, with the weight as the MMA's M operand (swap_ab);
     prefill uses square MMA tiles, and from PREFILL_DEQUANT_MIN_T tokens the dense GEMM
-    decodes once and runs the BF16 dot. Measured on the H200, GEMM only, 4096 x 14336
-    (benchmarks/results/2026-12-03-h200-run8 and -run9): at T=16 the arith decode at 64 x 256
-    took 156 us, the bits decode at 128 x 128 split 4 84 us, swapped 81 us, swapped with
-    block_n 64 66-75 us, with the prmt decode and BF16 activation values 64 us (rho 0.5:
-    76 us); at T=64 swapping took 128 x 128 from 271 to 127 us, prmt + values 84 us.
+    decodes once and runs the BF16 dot.
 
-    ``rac``: the Pallas GEMM's MMA then takes each token's activation and residual rows (2t
-    operand rows, one FP32 accumulator of [block_n, 2 block_m]); above 16 tokens the tile
-    is 64 wide so that the accumulator stays at 64 registers a thread (offline SASS, T=64
-    rho 0.5: 128-wide tiles spill ~300 values a K-tile, 64-wide none)."""
+    Measured on the H200, GEMM only, 4096 x 14336 (benchmarks/results/...-run8, -run9,
+    -run12): at T=16 the arith decode at 64 x 256 took 156 us, the bits decode at 128 x 128
+    split 4 84 us, swapped 81 us, the prmt decode with BF16 activation values at block_n 64
+    48 us, the word decode at block_n 128 35 us (64: 36 us); at T=64 prmt 76 us, words 54 us
+    at block_n 128 (64: 65 us). The grouped GEMM (64 experts, 2048 x 768, 64 tokens) keeps
+    block_n 64 (more programs over the small experts), with words and activation values
+    86 us against prmt with activation codes 100 us.
+
+    ``stacked``: the token operand holds each token's activation and residual rows (RAC with
+    ``rac_sum="exact"``; the default FP16 sum needs no extra rows). The prmt decode then
+    takes 64-wide tiles above 16 tokens (T=64: 122 us against 204 at 128, which spills); the
+    word decode keeps 128 (97 us against 107)."""
     if t >= 256:
         bk = 64 if k % 64 == 0 else 32
         path = "dequant" if t >= PREFILL_DEQUANT_MIN_T and programs_per_row_tile == 1 else "fused"
         return GemmConfig(block_m=128, block_n=128, block_k=bk, num_warps=8, num_stages=3, path=path)
+    grouped = programs_per_row_tile > 1
     bm = 16 if t <= 16 else (32 if t <= 32 else 64)
     bk = next(b for b in (128, 64, 32) if k % b == 0)
-    bn = 128 if n >= 128 and t > 16 and not rac else 64
+    decode = DEFAULT_DECODE if bk >= 128 or DEFAULT_DECODE != "words" else "prmt"
+    if n < 128 or grouped:
+        bn = 64
+    elif decode == "words":
+        bn = 128
+    else:
+        bn = 128 if t > 16 and not stacked else 64
     tiles = -(-t // bm) * -(-n // bn) * programs_per_row_tile
     split = 1
     while tiles * split < 2 * NUM_SMS and (k // bk) % (split * 2) == 0 and k // (bk * split * 2) >= 2:
         split *= 2
-    # grouped (programs_per_row_tile > 1): activation codes, 4x less to read than BF16 values
-    # for the N / block_n programs of each row tile (run 10, 64 experts, 2048 x 768, 64 tokens:
-    # 125 us against 137)
-    decode = DEFAULT_DECODE if bk >= 128 or DEFAULT_DECODE != "words" else "prmt"
+    # grouped with the byte decodes: activation codes, 4x less to read than BF16 values for
+    # the N / block_n programs of each row tile (run 10: 125 us against 137); the word decode
+    # reads values (run 12: 86 us against 103 us with codes)
+    act_load = "codes" if grouped and decode != "words" else "values"
     return GemmConfig(block_m=bm, block_n=bn, block_k=bk, split_k=split, num_warps=4, num_stages=4, swap_ab=True,
-                      decode=decode, act_load="values" if programs_per_row_tile == 1 else "codes")
+                      decode=decode, act_load=act_load)

@@ -77,10 +77,16 @@ def test_gemm_w4a16_and_rho_semantics(rng):
     # rho = 0 is the plain W4A4 product
     xq = nvfp4.dequantize(pk.quantize_activations(x, act_scale="tensor", backend="xla"))
     np.testing.assert_allclose(pk.nvfp4_matmul(x, w, backend="pallas", out_dtype=jnp.float32), xq @ wd.T, rtol=2e-5, atol=2e-4)
-    # rho = 1 is (dq(q(x)) + dq(q(r))) @ dq(w).T
+    # rho = 1 is (dq(q(x)) + dq(q(r))) @ dq(w).T: exactly so with rac_sum="exact"; with the
+    # default FP16 sum, within FP16's unit roundoff (2**-11) of each compensated activation
     xq1, rq1 = pk.quantize_activations_rac(x, rac_ratio=1.0, backend="xla")
-    ref1 = (nvfp4.dequantize(xq1) + nvfp4.dequantize(rq1)) @ wd.T
-    np.testing.assert_allclose(pk.nvfp4_matmul(x, w, rac_ratio=1.0, backend="pallas", out_dtype=jnp.float32), ref1, rtol=2e-5, atol=2e-4)
+    comp = nvfp4.dequantize(xq1) + nvfp4.dequantize(rq1)
+    ref1 = comp @ wd.T
+    got = {s: pk.nvfp4_matmul(x, w, rac_ratio=1.0, rac_sum=s, backend="pallas", out_dtype=jnp.float32) for s in pk.RAC_SUMS}
+    np.testing.assert_allclose(got["exact"], ref1, rtol=2e-5, atol=2e-4)
+    bound = 2.0**-11 * (np.abs(comp) @ np.abs(wd).T) + 2e-5 * np.abs(ref1) + 2e-4
+    assert np.all(np.abs(got["fp16"] - ref1) <= bound)
+    assert 0 < rel(got["fp16"], ref1) < 1e-4  # rounded somewhere, far below the BF16 output's 2**-9
     # the error against the float product falls as rho grows, towards the weight-only error
     errs = [rel(pk.nvfp4_matmul(x, w, rac_ratio=r, backend="xla", out_dtype=jnp.float32), exact) for r in (0.0, 0.125, 0.5, 1.0)]
     assert errs[0] > errs[1] > errs[2] > errs[3], errs
@@ -165,16 +171,24 @@ def test_e4m3_bit_decodes_equal_the_format_for_all_256_patterns():
         np.testing.assert_array_equal(np.signbit(got[ok]), np.signbit(want[ok]))
 
 
-def test_prmt_decode_steps_equal_the_e2m1_grid():
+def e2m1_bits(c, key):
+    """The BF16 ("bf16") or FP16 ("f16") bit patterns of E2M1 codes ``c``."""
+    dt = {"bf16": jnp.bfloat16, "f16": jnp.float16}[key]
+    return np.asarray(jax.lax.bitcast_convert_type(nvfp4.decode_e2m1_bf16(jnp.asarray(c, jnp.int32)).astype(dt), jnp.uint16))
+
+
+@pytest.mark.parametrize("key", ["bf16", "f16"])
+def test_prmt_decode_steps_equal_the_e2m1_grid(key):
     """The integer steps of the byte-permute PTX decode (emulated), for every code byte in
-    every byte position of the 32-bit word, give the BF16 bits of the E2M1 values."""
+    every byte position of the 32-bit word, give the BF16 (or FP16) bits of the E2M1 values."""
     from pallas_kernels import tile_math
 
     b = np.arange(256, dtype=np.uint32)
     words = np.stack([np.roll(b, 0), np.roll(b, 7), np.roll(b, 101), np.roll(b, 200)], axis=1)  # [256, 4] bytes
     packed = words[:, 0] | words[:, 1] << 8 | words[:, 2] << 16 | words[:, 3] << 24
-    lo, hi = tile_math.prmt_decode_emulated(packed)
-    want = lambda c: np.asarray(jax.lax.bitcast_convert_type(nvfp4.decode_e2m1_bf16(jnp.asarray(c, jnp.int32)), jnp.uint16))
+    lo, hi = tile_math.prmt_decode_emulated(packed, key)
+    want = lambda c: e2m1_bits(c, key)
+    assert "mul.rn." + ("f16x2" if key == "f16" else "bf16x2") in tile_math.PRMT_DECODE_PTX[key][0]
     np.testing.assert_array_equal(lo, want(words & 15))
     np.testing.assert_array_equal(hi, want(words >> 4))
 
@@ -189,30 +203,32 @@ def test_gemm_decode_variants_equal_xla(rng, decode, scale_load, swap_ab, act_lo
     bk = 128 if decode == "words" else 64
     cfg = pk.GemmConfig(block_m=16, block_n=32, block_k=bk, split_k=2, decode=decode, scale_load=scale_load, swap_ab=swap_ab,
                         act_load=act_load)
-    for kw in ({"rac_ratio": 0.5}, {"mode": "w4a16"}):
+    for kw in ({"rac_ratio": 0.5}, {"rac_ratio": 0.5, "rac_sum": "exact"}, {"mode": "w4a16"}):
         a = pk.nvfp4_matmul(x, w, backend="xla", out_dtype=jnp.float32, **kw)
         b = pk.nvfp4_matmul(x, w, backend="pallas", out_dtype=jnp.float32, config=cfg, **kw)
         assert rel(b, a) < 1e-5, kw
     if swap_ab:  # the grouped kernel shares the main loop: ragged experts, one empty
         sizes = jnp.asarray([7, 0, 14])
         wg = nvfp4.quantize(jnp.asarray(rng.standard_normal((3, 80, 256)).astype(np.float32)), keep_axes=(0,))
-        a = pk.nvfp4_grouped_matmul(x, wg, sizes, rac_ratio=0.5, backend="xla", out_dtype=jnp.float32)
-        b = pk.nvfp4_grouped_matmul(x, wg, sizes, rac_ratio=0.5, backend="pallas", out_dtype=jnp.float32, config=cfg)
-        assert rel(b, a) < 1e-5
+        for rac_sum in pk.RAC_SUMS:
+            a = pk.nvfp4_grouped_matmul(x, wg, sizes, rac_ratio=0.5, rac_sum=rac_sum, backend="xla", out_dtype=jnp.float32)
+            b = pk.nvfp4_grouped_matmul(x, wg, sizes, rac_ratio=0.5, rac_sum=rac_sum, backend="pallas", out_dtype=jnp.float32,
+                                        config=cfg)
+            assert rel(b, a) < 1e-5, rac_sum
 
 
 def test_word_decode_steps_and_layout_equal_the_format():
     """decode='words': the emulated integer steps of the four PTX programs give every code's
-    BF16 bits in the WORD_CHANNELS order; the byte-to-word packing and the activations'
-    part order are the matching permutations."""
+    BF16 (and FP16) bits in the WORD_CHANNELS order; the byte-to-word packing and the
+    activations' part order are the matching permutations."""
     from pallas_kernels import tile_math
 
     rng = np.random.default_rng(3)
     words = rng.integers(0, 2**32, 512, dtype=np.uint64).astype(np.uint32)
-    got = tile_math.word_decode_emulated(words)  # [512, 8]
-    want = lambda c: np.asarray(jax.lax.bitcast_convert_type(nvfp4.decode_e2m1_bf16(jnp.asarray(c, jnp.int32)), jnp.uint16))
-    for p, ch in enumerate(tile_math.WORD_CHANNELS):
-        np.testing.assert_array_equal(got[:, p], want((words >> np.uint32(4 * ch)) & np.uint32(15)))
+    for key in ("bf16", "f16"):
+        got = tile_math.word_decode_emulated(words, key)  # [512, 8]
+        for p, ch in enumerate(tile_math.WORD_CHANNELS):
+            np.testing.assert_array_equal(got[:, p], e2m1_bits((words >> np.uint32(4 * ch)) & np.uint32(15), key))
     codes = jnp.asarray(rng.integers(0, 256, (3, 64), dtype=np.uint8))
     w = np.asarray(nvfp4.code_words(codes))
     np.testing.assert_array_equal(w.view(np.uint8).reshape(3, 64), np.asarray(codes))  # the same bytes, little-endian
@@ -222,6 +238,33 @@ def test_word_decode_steps_and_layout_equal_the_format():
     np.testing.assert_array_equal(np.sort(o, axis=1), np.asarray(v))
     with pytest.raises(ValueError, match="block_k"):
         pk.GemmConfig(block_m=16, block_n=32, block_k=64, decode="words")
+
+
+def test_decode_tiles_follow_the_measured_choices(monkeypatch):
+    """The decode-size heuristic (quads_jax.tiling.gemm_config, run-12 measurements): the
+    word decode at 128-wide tiles, stacked RAC rows or not; the prmt decode at 64-wide tiles
+    for 16 tokens and for stacked rows; the grouped GEMM at 64-wide tiles, activation values
+    with words and codes with prmt; K tiles the word decode cannot split fall back to prmt."""
+    from quads_jax import tiling
+
+    monkeypatch.setattr(tiling, "DEFAULT_DECODE", "words")
+    for t, stacked in ((16, False), (64, False), (64, True)):
+        c = tiling.gemm_config(t, 14336, 4096, stacked=stacked)
+        assert (c.decode, c.block_n, c.act_load, c.swap_ab) == ("words", 128, "values", True)
+        assert c.split_k * c.block_k <= 4096 and 4096 % (c.split_k * c.block_k) == 0
+    g = tiling.gemm_config(8, 768, 2048, programs_per_row_tile=64)
+    assert (g.decode, g.block_n, g.act_load) == ("words", 64, "values")
+    assert tiling.gemm_config(16, 768, 96).decode == "prmt"  # K tile 32
+    monkeypatch.setattr(tiling, "DEFAULT_DECODE", "prmt")
+    assert [tiling.gemm_config(t, 14336, 4096, stacked=s).block_n for t, s in ((16, False), (64, False), (64, True))] == [64, 128, 64]
+    assert tiling.gemm_config(8, 768, 2048, programs_per_row_tile=64).act_load == "codes"
+    # the stacked rows follow rac_sum: only "exact" stacks
+    from pallas_kernels.nvfp4_matmul import stacks_residual
+    assert stacks_residual("w4a4", 0.5, "exact") and not stacks_residual("w4a4", 0.5, "fp16")
+    assert not stacks_residual("w4a4", 0.0, "exact") and not stacks_residual("w4a16", 0.0, "exact")
+    x = jnp.ones((4, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="rac_sum"):
+        pk.nvfp4_matmul(x, nvfp4.quantize(jnp.ones((32, 64))), rac_ratio=0.5, rac_sum="bf16", backend="xla")
 
 
 def test_prefill_path_dequant_equals_xla_and_is_the_large_t_default(rng):

@@ -65,7 +65,8 @@ def sort_by_expert(ids, n_experts: int):
 def expert_ffn(xs, w_gate, w_up, w_down, group_sizes, prec: P.Precision, dtype):
     """SwiGLU over rows sorted by expert, through the grouped-matmul dispatch."""
     mode = prec.mode("experts")
-    gl = lambda a, w: P.grouped_linear(a, w, group_sizes, mode, dtype=dtype, rac_ratio=prec.rac_ratio, backend=prec.backend)
+    gl = lambda a, w: P.grouped_linear(a, w, group_sizes, mode, dtype=dtype, rac_ratio=prec.rac_ratio, rac_sum=prec.rac_sum,
+                                       backend=prec.backend)
     g, u = gl(xs, [w_gate, w_up])  # one launch for both under an NVFP4 recipe
     h = jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)
     return gl(h.astype(dtype), w_down)

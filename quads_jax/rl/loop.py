@@ -51,6 +51,7 @@ RL_COLUMNS = ["step", "reward_mean", "pass_at_1", "gap_max", "gap_mean", "k3_kl"
 class RLConfig:
     recipe: str = "quads"
     rac_ratio: float | None = None  # None: the recipe's (0.5 for quads)
+    rac_sum: str | None = None  # None: the recipe's ("fp16"); "exact": pallas_kernels.rac
     steps: int = 20
     prompts_per_step: int = 16
     max_new_tokens: int = 24
@@ -210,7 +211,7 @@ def run_grpo(cfg: JobConfig, graphdef, params, mcfg, out_dir: str, *, log=print,
     gcfg = G.GRPOConfig.from_dict(rl.grpo)
     train_name, roll_name = RECIPES[rl.recipe]
     train_prec = P.train_policy(train_name)
-    roll_prec = P.rollout_recipe(roll_name, rl.rac_ratio, cfg.kernel_backend)
+    roll_prec = P.rollout_recipe(roll_name, rl.rac_ratio, cfg.kernel_backend, rac_sum=rl.rac_sum)
     ocfg = OptimConfig.from_dict({"total_steps": rl.steps, "warmup_steps": 2, **rl.optim})
     tx = make_optimizer(ocfg)
     # the train step donates its state: copy, so the caller's params (a shared base policy) stay valid
