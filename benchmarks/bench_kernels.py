@@ -465,6 +465,23 @@ def swap_candidates(base):
     return [base, other_n, prmt, dc.replace(base, num_warps=8)]
 
 
+def tile_candidates(base):
+    """Split-K, tile width, K tile and pipeline depth around the heuristic's decode tiles.
+    Run 13's Nsight Compute (T=16, 4096 x 14336): 0.85 waves of 4-warp programs, 4 programs
+    an SM (registers), 11 active warps an SM, issue slots 41% busy: latency-bound, so the
+    candidates change how many programs run and how long each one is."""
+    import dataclasses as dc
+
+    out = [base]
+    for bn, bk, split, stages in [(128, 128, 8, 4), (128, 128, 2, 4), (64, 128, 8, 4), (64, 128, 2, 4), (128, 128, 4, 3),
+                                  (128, 128, 4, 2), (64, 128, 4, 3), (128, 128, 8, 3), (64, 256, 4, 3), (128, 256, 2, 3),
+                                  (64, 128, 16, 4)]:
+        c = dc.replace(base, block_n=bn, block_k=bk, split_k=split, num_stages=stages)
+        if c != base:
+            out.append(c)
+    return out
+
+
 def sweep_candidates(base):
     """Decode variants at the heuristic's tiles, then tile shapes with the variants."""
     import dataclasses as dc
@@ -728,6 +745,13 @@ def swap_sweep(measure, copy_tbps=None):
                              candidates=swap_candidates, rac_configs=99)
 
 
+@section("tiles")
+def tile_sweep(measure, copy_tbps=None):
+    """``tile_candidates`` at T = 16 and 64 on the largest decode shape."""
+    return sweep.__wrapped__(measure, copy_tbps, shapes=((16, 4096, 14336), (64, 4096, 14336)),
+                             candidates=tile_candidates, rac_configs=99)
+
+
 def markdown(res) -> str:
     s = res["sections"]
     env = s.get("env", {})
@@ -794,6 +818,8 @@ def main():
         sweep(measure, (ceil or {}).get("copy_TBps"))
     if want("swap"):
         swap_sweep(measure, (ceil or {}).get("copy_TBps"))
+    if want("tiles"):
+        tile_sweep(measure, (ceil or {}).get("copy_TBps"))
     if want("triton"):
         triton_parity(measure)
     if want("prefill"):

@@ -5,6 +5,7 @@
 #   triton_smoke  the Triton GEMM on the GPU: torch launch vs the torch reference, jax-triton vs Pallas (#5)
 #   triton        the Triton section: parity and GEMM-only times, jax-triton vs torch vs Pallas (#5)
 #   swap          decode GEMM variants (swap_ab, prmt decode, warps, tiles) at T=16, 64 (#8)
+#   tiles         decode GEMM split-K, tile widths, K tiles, pipeline depth at T=16, 64 (#8)
 #   prefill       T=4096: fused vs decode-once + BF16 dot, with a per-kernel breakdown (#8)
 #   sass          tensor-core MMA instructions in the Pallas GEMM variants (#8)
 #   decode        decode GEMMs vs BF16/FP8 dots (#8);  grouped: MoE grouped GEMM vs ragged_dot (#8)
@@ -23,7 +24,7 @@ o="${OUT:-runs/gpu}"
 mkdir -p "$o"
 export PYTHONUNBUFFERED=1 PYTHONPATH=.:/tmp/site:${PYTHONPATH:-} TRITON_HOME=/tmp/triton_home TRITON_CACHE_DIR=/tmp/triton_cache
 mkdir -p "$TRITON_HOME" "$TRITON_CACHE_DIR"
-ALL="triton_smoke fused_check rollout rollout_words ncu decode grouped sass prefill triton swap train"
+ALL="triton_smoke fused_check rollout rollout_words ncu decode grouped sass prefill triton swap tiles train"
 STAGES="${STAGES:-$ALL}"  # run in the order given
 RECIPES="${RECIPES:-quads,fp8,nvfp4,bf16}"
 DEADLINE="${DEADLINE:-575}"  # seconds from the start: no stage runs past it, so every log gets saved
@@ -43,6 +44,7 @@ run_stage() {
     triton_smoke) stage 45 triton_smoke python3 benchmarks/triton_smoke.py ;;
     triton) stage 60 triton python3 $BK --out "$o/triton" --only triton ;;
     swap) stage "${SWAP_CAP:-100}" swap python3 $BK --out "$o/swap" --only swap ;;
+    tiles) stage "${TILES_CAP:-300}" tiles python3 $BK --out "$o/tiles" --only tiles ;;
     prefill) stage 45 prefill python3 $BK --out "$o/prefill" --only prefill --quick ;;
     sass) stage 60 sass python3 $BK --out "$o/sass" --only sass ;;
     decode) stage "${DECODE_CAP:-170}" decode python3 $BK --out "$o/decode" --only ceilings,decode ${DECODE_QUICK:+--quick} ;;

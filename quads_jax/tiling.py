@@ -93,7 +93,9 @@ def gemm_config(t: int, n: int, k: int, programs_per_row_tile: int = 1, stacked:
     48 us, the word decode at block_n 128 35 us (64: 36 us); at T=64 prmt 76 us, words 54 us
     at block_n 128 (64: 65 us). The grouped GEMM (64 experts, 2048 x 768, 64 tokens) keeps
     block_n 64 (more programs over the small experts), with words and activation values
-    86 us against prmt with activation codes 100 us.
+    86 us against prmt with activation codes 100 us. Run 13 (benchmarks/results/
+    2026-12-04-h200-run13, tile sweep): 256-channel K tiles, 3 stages and split-K to 1.5
+    waves for large dense weights (T=16 29.6 us, T=64 50 us).
 
     ``stacked``: the token operand holds each token's activation and residual rows (RAC with
     ``rac_sum="exact"``; the default FP16 sum needs no extra rows). The prmt decode then
@@ -114,12 +116,23 @@ def gemm_config(t: int, n: int, k: int, programs_per_row_tile: int = 1, stacked:
     else:
         bn = 128 if t > 16 and not stacked else 64
     tiles = -(-t // bm) * -(-n // bn) * programs_per_row_tile
+    stages = 4
+    if not grouped:
+        # large dense weights: 256-channel K tiles when programs of two of them still fill
+        # 1.5 waves; three stages (run 13, T=16: 29.6 us against 34.8 at 128 x 4 stages;
+        # T=64 with RAC 45 against 55); stacked rows: 128-channel tiles (256 overflows shared
+        # memory), two stages above 16 tokens (71 us against 97)
+        if k % 256 == 0 and not stacked and decode == "words" and tiles * (k // 512) >= 1.5 * NUM_SMS:
+            bk = 256
+        stages = 2 if stacked and t > 16 else 3
     split = 1
-    while tiles * split < 2 * NUM_SMS and (k // bk) % (split * 2) == 0 and k // (bk * split * 2) >= 2:
+    # split K until 1.5 waves of programs (run 13: split 2 beat 4 at 112 N tiles, T=64 49.5
+    # against 53.8 us), each program keeping >= 2 K tiles
+    while tiles * split < 1.5 * NUM_SMS and (k // bk) % (split * 2) == 0 and k // (bk * split * 2) >= 2:
         split *= 2
     # grouped with the byte decodes: activation codes, 4x less to read than BF16 values for
     # the N / block_n programs of each row tile (run 10: 125 us against 137); the word decode
     # reads values (run 12: 86 us against 103 us with codes)
     act_load = "codes" if grouped and decode != "words" else "values"
-    return GemmConfig(block_m=bm, block_n=bn, block_k=bk, split_k=split, num_warps=4, num_stages=4, swap_ab=True,
+    return GemmConfig(block_m=bm, block_n=bn, block_k=bk, split_k=split, num_warps=4, num_stages=stages, swap_ab=True,
                       decode=decode, act_load=act_load)

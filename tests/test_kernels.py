@@ -252,6 +252,11 @@ def test_decode_tiles_follow_the_measured_choices(monkeypatch):
         c = tiling.gemm_config(t, 14336, 4096, stacked=stacked)
         assert (c.decode, c.block_n, c.act_load, c.swap_ab) == ("words", 128, "values", True)
         assert c.split_k * c.block_k <= 4096 and 4096 % (c.split_k * c.block_k) == 0
+        # large weights: 256-channel K tiles, split to 1.5 waves (112 N tiles x 2), 3 stages;
+        # stacked rows keep 128-channel tiles (shared memory), 2 stages above 16 tokens
+        assert (c.block_k, c.split_k, c.num_stages) == ((128, 2, 2) if stacked else (256, 2, 3))
+    small = tiling.gemm_config(16, 768, 2048)
+    assert (small.block_k, small.split_k) == (128, 8)  # few N tiles: deep split, 2 K tiles a program
     g = tiling.gemm_config(8, 768, 2048, programs_per_row_tile=64)
     assert (g.decode, g.block_n, g.act_load) == ("words", 64, "values")
     assert tiling.gemm_config(16, 768, 96).decode == "prmt"  # K tile 32
