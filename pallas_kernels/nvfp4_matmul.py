@@ -7,10 +7,13 @@ where Xq, Rq, Wq are the NVFP4 block values (E2M1 code times its E4M3 block scal
 in BF16) of the activations, the selected activation residual and the weight, and gx, gr,
 gw their global scales. Hopper has no FP4 tensor cores: each weight tile is decoded once
 in registers (codes -> E2M1 -> times the block scale -> BF16) and feeds one BF16 MMA
-whose token operand holds each token's activation row and, with RAC, its residual row
-next to it (twice the tokens, not twice the MMAs); the pairs are summed and the global
-scales applied in the epilogue. That is a native NVFP4 GEMM's numerics up
-to accumulation order, while moving 4.5 bits per weight.
+(``tile_math.mma_acc``: accumulating in place), the global scales applied in the epilogue.
+That is a native NVFP4 GEMM's numerics up to accumulation order, while moving 4.5 bits per
+weight. RAC (``rac_sum``, see ``pallas_kernels.rac``): by default the token operand is the
+compensated activation Xq + Rq / 4 rounded once to FP16, the weight decoded to FP16 (exact),
+so RAC costs no extra MMA; with ``rac_sum="exact"`` the token operand holds each token's
+activation row and its residual row next to it (twice the tokens, not twice the MMAs), the
+pairs summed in the epilogue.
 
 Packed codes hold channel 2j in the low and 2j+1 in the high nibble, so a K-tile splits
 into its even and odd channels: ``A_even @ W_even.T + A_odd @ W_odd.T``, which needs no
