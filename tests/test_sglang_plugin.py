@@ -35,7 +35,7 @@ def test_torch_linear_equals_jax_reference_bitwise(rho):
     rng = np.random.default_rng(int(rho * 8) + 1)
     xb, xt = _act(rng, 37, 256)
     wq = P.quantize_weight(jnp.asarray(rng.standard_normal((96, 256)).astype(np.float32)))
-    want = np.asarray(nvfp4_matmul(xb, wq, rac_ratio=rho, act_scale="token", backend="xla", out_dtype=jnp.float32))
+    want = np.asarray(nvfp4_matmul(xb, wq, rac_ratio=rho, rac_sum="exact", act_scale="token", backend="xla", out_dtype=jnp.float32))
     got = N.quads_linear(xt, *_modelopt_torch(wq), rac_ratio=rho, out_dtype=torch.float32).numpy()
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())  # accumulation order only
     w4a16 = np.asarray(nvfp4_matmul(xb, wq, mode="w4a16", backend="xla", out_dtype=jnp.float32))
@@ -72,7 +72,7 @@ def test_torch_grouped_and_moe_equal_jax_with_empty_experts():
     per_expert = lambda w: [_modelopt_torch(F.NVFP4Tensor(codes=w.codes[i], scales=w.scales[i],
                                                           global_scale=jnp.asarray(w.global_scale)[i].reshape(()),
                                                           shape=w.shape[1:], axis=1)) for i in range(e)]
-    prec = P.rollout_recipe("quads")
+    prec = P.rollout_recipe("quads", rac_sum="exact")  # the plugin sums the RAC products in FP32
     want = np.asarray(moe_ffn(xb, jnp.asarray(ids), jnp.asarray(wts), wg, wu, wd, prec, jnp.bfloat16), np.float32)
     got = N.quads_moe(xt, torch.from_numpy(ids).long(), torch.from_numpy(wts), per_expert(wg), per_expert(wu), per_expert(wd),
                       rac_ratio=prec.rac_ratio).float().numpy()
@@ -80,7 +80,7 @@ def test_torch_grouped_and_moe_equal_jax_with_empty_experts():
     assert np.mean(got == want) > 0.95
     sizes = np.bincount(ids.reshape(-1), minlength=e).astype(np.int32)
     xs, xst = _act(rng, int(sizes.sum()), d)
-    g = np.asarray(nvfp4_grouped_matmul(xs, wg, jnp.asarray(sizes), rac_ratio=0.5, act_scale="token", backend="xla", out_dtype=jnp.float32))
+    g = np.asarray(nvfp4_grouped_matmul(xs, wg, jnp.asarray(sizes), rac_ratio=0.5, rac_sum="exact", act_scale="token", backend="xla", out_dtype=jnp.float32))
     gt = N.quads_grouped_linear(xst, torch.from_numpy(sizes), per_expert(wg), rac_ratio=0.5, out_dtype=torch.float32).numpy()
     np.testing.assert_allclose(gt, g, rtol=1e-6, atol=1e-6 * np.abs(g).max())
 
@@ -103,8 +103,8 @@ def test_export_to_torch_round_trip_and_launcher(tmp_path):
     assert wt[0].dtype == torch.uint8 and wt[1].dtype == torch.float8_e4m3fn
     rng = np.random.default_rng(0)
     xb, xt = _act(rng, 5, 64)
-    want = np.asarray(nvfp4_matmul(xb, P.quantize_weight(params["layers/0/attn/o/w"]), rac_ratio=0.5, act_scale="token",
-                                   backend="xla", out_dtype=jnp.float32))
+    want = np.asarray(nvfp4_matmul(xb, P.quantize_weight(params["layers/0/attn/o/w"]), rac_ratio=0.5, rac_sum="exact",
+                                   act_scale="token", backend="xla", out_dtype=jnp.float32))
     np.testing.assert_allclose(N.quads_linear(xt, *wt, out_dtype=torch.float32).numpy(), want, rtol=1e-6, atol=1e-6)
     assert launcher.read_rac_ratio(out) == 0.5
     cmd = launcher.launch_command(out, port=31000, tp=2, python="python3")
@@ -154,7 +154,7 @@ out["scales_equal"] = bool(np.array_equal(xs.numpy(), np.asarray(xq.scales).view
 cfgs = [None, TG.GemmConfig(16, 32, 64, split_k=2), TG.GemmConfig(32, 16, 32), TG.GemmConfig(16, 32, 64, swap_ab=True),
         TG.GemmConfig(16, 32, 64, path="dequant")]
 for rho in (0.0, 0.125, 0.5, 1.0):
-    want = np.asarray(nvfp4_matmul(xb, wq, rac_ratio=rho, act_scale="token", backend="xla", out_dtype=jnp.float32))
+    want = np.asarray(nvfp4_matmul(xb, wq, rac_ratio=rho, rac_sum="exact", act_scale="token", backend="xla", out_dtype=jnp.float32))
     for i, cfg in enumerate(cfgs):
         got = TG.quads_linear_triton(xt, w, s, gw, rac_ratio=rho, out_dtype=torch.float32, config=cfg).numpy()
         out[f"rel_rho{rho}_cfg{i}"] = float(np.linalg.norm(got - want) / np.linalg.norm(want))

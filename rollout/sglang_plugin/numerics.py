@@ -9,7 +9,10 @@ CPU, see tests/test_sglang_plugin.py):
   (exact, like ``nvfp4.ieee_div``);
 - RAC: the residual ``r = x - dq(q(x))``; per token the fraction ``rac_ratio`` of 16-blocks
   with the largest energy ``sum(r**2)``; those blocks quantized again with global scale
-  ``gs / 4``; output ``(dq(q(x)) + dq(q(r_sel))) @ dq(W).T``, FP32 accumulation.
+  ``gs / 4``; output ``(dq(q(x)) + dq(q(r_sel))) @ dq(W).T``, FP32 accumulation: the two
+  products summed in FP32, what ``pallas_kernels`` computes with ``rac_sum="exact"`` (the JAX
+  engine's default ``"fp16"`` rounds the compensated activation once to FP16, <= 2**-11
+  relative; see ``pallas_kernels.rac``).
 
 Weights arrive in the ModelOpt layout that ``rollout.bridge.export_modelopt_nvfp4`` writes:
 ``weight`` uint8 [N, K/2] (low nibble = lower index), ``weight_scale`` E4M3 [N, K/16],
