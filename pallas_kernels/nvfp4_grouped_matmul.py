@@ -23,13 +23,13 @@ from jax.experimental.pallas import triton as plgpu
 
 from quads_jax import nvfp4
 from pallas_kernels import backend as _backend
-from pallas_kernels import rac
 from pallas_kernels.tile_math import pad_axis
 from pallas_kernels.nvfp4_matmul import (
     GemmConfig,
     _bits,
     _check_args,
     activation_operands,
+    activation_product,
     as_weights,
     gemm_config,
     pop_operand_refs,
@@ -154,13 +154,7 @@ def nvfp4_grouped_matmul_xla(x, w, group_sizes, *, rac_ratio=0.0, rac_mode="toke
         gw = jnp.concatenate([_per_expert_gw(wi), jnp.zeros((1,), jnp.float32)])[ex][:, None]
         if mode == "w4a16":
             return (dot(x.astype(jnp.bfloat16)) * gw).astype(out_dtype)
-        if rq is not None and rac_sum == "fp16":
-            out = dot(rac.compensated_values(xq, rq), wv.astype(jnp.float16)) * xq.global_scale
-        else:
-            out = dot(nvfp4.block_values(xq)) * xq.global_scale
-            if rq is not None:
-                out = out + dot(nvfp4.block_values(rq)) * rq.global_scale
-        return (out * gw).astype(out_dtype)
+        return (activation_product(dot, xq, rq, wv, rac_sum) * gw).astype(out_dtype)
 
     outs = tuple(one(wi) for wi in ws)
     return outs if many else outs[0]

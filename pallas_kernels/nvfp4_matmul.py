@@ -378,13 +378,19 @@ def dequant_dot(xq, rq, w, *, x=None, out_dtype=jnp.bfloat16, values=nvfp4.block
     gw = jnp.asarray(w.global_scale, jnp.float32)
     if xq is None:
         return (dot(x.astype(jnp.bfloat16)) * gw).astype(out_dtype)
+    return (activation_product(dot, xq, rq, wv, rac_sum, values) * gw).astype(out_dtype)
+
+
+def activation_product(dot, xq, rq, wv, rac_sum, values=nvfp4.block_values):
+    """gx * (Xv @ Wv.T) + gr * (Rv @ Wv.T) in float32 for ``dot(a, b)`` (a product of [rows, K]
+    operands, any contraction: dense or ragged), ``wv`` the weight's BF16 block values; with
+    ``rac_sum="fp16"`` and a residual, one FP16 product of ``rac.compensated_values``."""
     if rq is not None and rac_sum == "fp16":
-        out = dot(rac.compensated_values(xq, rq, values), wv.astype(jnp.float16)) * xq.global_scale
-    else:
-        out = dot(values(xq)) * xq.global_scale
-        if rq is not None:
-            out = out + dot(values(rq)) * rq.global_scale
-    return (out * gw).astype(out_dtype)
+        return dot(rac.compensated_values(xq, rq, values), wv.astype(jnp.float16)) * xq.global_scale
+    out = dot(values(xq), wv) * xq.global_scale
+    if rq is not None:
+        out = out + dot(values(rq), wv) * rq.global_scale
+    return out
 
 
 def _bits(scales):
