@@ -1,0 +1,128 @@
+"""Device check and timing of the Mosaic GPU decode GEMM (pallas_kernels/nvfp4_matmul_mgpu.py).
+
+For each decode shape and T: the kernel against the XLA product of the same FP16 operands
+(FP32 accumulation: the difference is summation order), then device-side times (CUPTI) of
+the kernel alone over split-K and pipeline depths, of the whole op (operand reorder + kernel
++ epilogue), and, in the same run, of the BF16 dot, the FP8 dot and the Triton NVFP4 GEMM.
+
+    python benchmarks/mgpu_check.py --out DIR [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+import traceback
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
+
+SHAPES = [(2048, 768), (2048, 6144), (4096, 14336)]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--budget", type=float, default=400.0, help="seconds; later shapes are skipped past it")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+
+    import jax
+    import jax.numpy as jnp
+
+    from bench_kernels import timer
+    from pallas_kernels import fp8_matmul, nvfp4_matmul
+    from pallas_kernels import nvfp4_matmul_mgpu as M
+    from quads_jax import fp8, nvfp4
+    from quads_jax.precision import prepare_weight
+
+    t0 = time.time()
+    measure = timer()
+    res = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind, "rows": [], "errors": {}}
+    rng = np.random.default_rng(0)
+    dot_nt = lambda a, b: jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+
+    def attempt(key, f):
+        try:
+            return f()
+        except Exception as e:
+            res["errors"][key] = f"{type(e).__name__}: {e}"[:1500]
+            print(f"ERROR {key}: {type(e).__name__}: {str(e)[:1500]}", flush=True)
+            traceback.print_exc(limit=3)
+            return None
+
+    shapes = SHAPES if not args.quick else [(4096, 14336)]
+    for k, n in shapes:
+        if time.time() - t0 > args.budget:
+            res["errors"][f"skipped_{k}x{n}"] = "time budget"
+            continue
+        wf = jnp.asarray(rng.standard_normal((n, k)).astype(np.float32) * 0.02)
+        w4 = nvfp4.quantize(wf)
+        w4p = prepare_weight(wf, "w4a4")
+        w8 = fp8.quantize(wf)
+        wb = wf.astype(jnp.bfloat16)
+        wq = nvfp4.block_values(w4, jnp.float32)  # [N, K] exact
+        words = jax.lax.bitcast_convert_type(nvfp4.code_words(w4.codes), jnp.int32)
+        sbits = jax.lax.bitcast_convert_type(w4.scales, jnp.uint8)
+        wbytes = w4.codes.size * w4.codes.dtype.itemsize + w4.scales.size
+        for t in (1, 16, 64):
+            x = jnp.asarray(rng.standard_normal((t, k)).astype(np.float32))
+            xq = nvfp4.quantize(x)
+            a16 = nvfp4.block_values(xq, jnp.float16)
+            gx = xq.global_scale
+            r = {"T": t, "K": k, "N": n}
+            ref = (a16.astype(jnp.float32) @ wq.T) * w4.global_scale * gx
+            got = attempt(f"run_{t}_{k}_{n}", lambda: jax.jit(lambda a, w: M.nvfp4_decode_gemm(a, w, gx=gx, out_dtype=jnp.float32))(a16, w4))
+            if got is not None:
+                err = float(jnp.max(jnp.abs(got - ref)) / jnp.max(jnp.abs(ref)))
+                r["max_rel_err"] = err
+                r["ok"] = bool(err < 1e-5)
+            tp = -(-t // 8) * 8
+            a_k = M.to_fragment_order(jnp.pad(a16, ((0, tp - t), (0, 0))))
+            base = M.mgpu_config(t, n, k)
+            r["config"] = {"split_k": base.split_k, "stages": base.stages}
+            cands = {(base.split_k, base.stages)}
+            if not args.quick or t == 16:
+                for s in (1, 2, 4, 8, 16):
+                    for st in (2, 4, 6):
+                        if (k // M.TILE_K) % s == 0 and k // M.TILE_K // s >= 1:
+                            cands.add((s, st))
+            best = None
+            for s, st in sorted(cands):
+                cfg = M.MgpuConfig(split_k=s, stages=st)
+                us = attempt(f"time_{t}_{k}_{n}_s{s}_st{st}", lambda: measure(lambda a, w, sb: M.decode_gemm_partials(a, w, sb, cfg), a_k, words, sbits))
+                if us is not None:
+                    r[f"kernel_s{s}_st{st}_us"] = us
+                    if best is None or us < best[0]:
+                        best = (us, s, st)
+                if time.time() - t0 > args.budget:
+                    break
+            if best:
+                r["kernel_best_us"], r["best_split"], r["best_stages"] = best
+                r["kernel_weight_TBps"] = wbytes / best[0] / 1e6
+            r["mgpu_op_us"] = attempt(f"op_{t}_{k}_{n}", lambda: measure(lambda a, w: M.nvfp4_decode_gemm(a, w, gx=gx), a16, w4))
+            xb = x.astype(jnp.bfloat16)
+            r["bf16_dot_us"] = attempt(f"bf16_{t}_{k}_{n}", lambda: measure(dot_nt, xb, wb))
+            r["fp8_dot_us"] = attempt(f"fp8_{t}_{k}_{n}", lambda: measure(lambda a, w: fp8_matmul(a, w), xb, w8))
+            r["triton_rho0_us"] = attempt(f"triton_{t}_{k}_{n}", lambda: measure(lambda a, w: nvfp4_matmul(a, w, act_scale="token", backend="pallas"), xb, w4p))
+            for name in ("kernel_best_us", "mgpu_op_us"):
+                if r.get(name) and r.get("bf16_dot_us"):
+                    r[name.replace("_us", "_vs_bf16")] = r["bf16_dot_us"] / r[name]
+                if r.get(name) and r.get("fp8_dot_us"):
+                    r[name.replace("_us", "_vs_fp8")] = r["fp8_dot_us"] / r[name]
+            res["rows"].append(r)
+            print(json.dumps(r), flush=True)
+            with open(os.path.join(args.out, "mgpu.json"), "w") as f:
+                json.dump(res, f, indent=1)
+    print("done in", round(time.time() - t0), "s")
+
+
+if __name__ == "__main__":
+    main()
