@@ -103,21 +103,39 @@ prmt.b32 $3, p1, p1, 0x3232;
 
 @dataclasses.dataclass(frozen=True)
 class MgpuConfig:
-    """Tiles of the Mosaic GPU decode GEMM: the K split (programs per weight tile) and the
-    pipeline depth (TMA steps in flight per program)."""
+    """Tiles of the Mosaic GPU decode GEMM.
+
+    split_k: programs sharing a weight tile's K (FP32 partials summed after);
+    stages:  TMA pipeline steps in flight per program;
+    frags:   64-row fragments per program (the token tile is loaded once for all);
+    chunks:  TILE_K chunks per pipeline step (fewer, larger steps);
+    delay:   1 lets a step's MMAs run on while the next step decodes (slots released one
+             step late), 0 waits for them at the end of each step."""
 
     split_k: int = 1
     stages: int = 4
+    frags: int = 1
+    chunks: int = 1
+    delay: int = 1
+
+    @property
+    def rows(self) -> int:
+        return ROWS * self.frags
+
+    @property
+    def step_k(self) -> int:
+        return TILE_K * self.chunks
 
 
 def mgpu_config(t: int, n: int, k: int, num_sms: int = 132) -> MgpuConfig:
     """Split K until about two programs per SM stream the weight (at least one K step each)."""
-    tiles = -(-n // ROWS)
-    steps = k // TILE_K
+    cfg = MgpuConfig()
+    tiles = -(-n // cfg.rows)
+    steps = k // cfg.step_k
     split = 1
     while tiles * split * 2 <= 2 * num_sms and steps % (split * 2) == 0:
         split *= 2
-    return MgpuConfig(split_k=split)
+    return dataclasses.replace(cfg, split_k=split)
 
 
 def check_shapes(t: int, n: int, k: int):
@@ -248,34 +266,46 @@ def _decode_fragment(tile_k):
 
 @functools.lru_cache(maxsize=None)
 def _build(tp: int, n: int, k: int, cfg: MgpuConfig):
-    split, steps = cfg.split_k, k // TILE_K // cfg.split_k
-    ks = k // cfg.split_k
+    if n % cfg.rows or k % (cfg.step_k * cfg.split_k):
+        raise ValueError(f"N={n}, K={k}: the config {cfg} needs N divisible by {cfg.rows} and K by {cfg.step_k * cfg.split_k}")
+    split, ks = cfg.split_k, k // cfg.split_k
+    steps = ks // cfg.step_k
+    stages = max(min(cfg.stages, steps), cfg.delay + 1)
     decode = _decode_fragment(TILE_K)
     x_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    rows, sk_, wk, sck = cfg.rows, cfg.step_k, cfg.step_k // 8, cfg.step_k // 16
 
     def body(x_gmem, wc_gmem, ws_gmem, out_gmem, out_smem):
         jn, sk = jax.lax.axis_index("n"), jax.lax.axis_index("s")
-        n_sl = pl.ds(jn * ROWS, ROWS)
+        n_sl = pl.ds(jn * rows, rows)
 
-        def scope(acc_ref):
+        def scope(*accs):
             def step(_, x_smem, c_smem, s_smem):
-                plgpu.wgmma(acc_ref, decode(c_smem, s_smem), x_smem.transpose((1, 0)))
-                plgpu.wgmma_wait(0)
+                for ch in range(cfg.chunks):
+                    xt = x_smem.at[:, pl.ds(ch * TILE_K, TILE_K)].transpose((1, 0))
+                    for f, acc in enumerate(accs):
+                        rs = pl.ds(f * ROWS, ROWS)
+                        a = decode(c_smem.at[rs, pl.ds(ch * (TILE_K // 8), TILE_K // 8)],
+                                   s_smem.at[rs, pl.ds(ch * (TILE_K // 16), TILE_K // 16)])
+                        plgpu.wgmma(acc, a, xt)
+                plgpu.wgmma_wait(cfg.delay * cfg.chunks * cfg.frags)
 
             plgpu.emit_pipeline(
                 step,
                 grid=(steps,),
                 in_specs=[
-                    plgpu.BlockSpec((tp, TILE_K), lambda kt: (0, kt), transforms=x_transforms),
-                    plgpu.BlockSpec((ROWS, TILE_K // 8), lambda kt: (0, kt)),
-                    plgpu.BlockSpec((ROWS, TILE_K // 16), lambda kt: (0, kt)),
+                    plgpu.BlockSpec((tp, sk_), lambda kt: (0, kt), transforms=x_transforms, delay_release=cfg.delay),
+                    plgpu.BlockSpec((rows, wk), lambda kt: (0, kt), delay_release=cfg.delay),
+                    plgpu.BlockSpec((rows, sck), lambda kt: (0, kt), delay_release=cfg.delay),
                 ],
-                max_concurrent_steps=min(cfg.stages, steps),
+                max_concurrent_steps=stages,
             )(x_gmem.at[:, pl.ds(sk * ks, ks)], wc_gmem.at[n_sl, pl.ds(sk * (ks // 8), ks // 8)],
               ws_gmem.at[n_sl, pl.ds(sk * (ks // 16), ks // 16)])
-            out_smem[...] = acc_ref[...]
+            plgpu.wgmma_wait(0)
+            for f, acc in enumerate(accs):
+                out_smem[pl.ds(f * ROWS, ROWS), :] = acc[...]
 
-        pl.run_scoped(scope, plgpu.ACC((ROWS, tp), jnp.float32))
+        pl.run_scoped(scope, *[plgpu.ACC((ROWS, tp), jnp.float32) for _ in range(cfg.frags)])
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[sk, n_sl])
         plgpu.wait_smem_to_gmem(0)
@@ -283,9 +313,9 @@ def _build(tp: int, n: int, k: int, cfg: MgpuConfig):
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((split, n, tp), jnp.float32),
-        grid=(n // ROWS, split),
+        grid=(n // rows, split),
         grid_names=("n", "s"),
-        scratch_types=[plgpu.SMEM((ROWS, tp), jnp.float32)],
+        scratch_types=[plgpu.SMEM((rows, tp), jnp.float32)],
     )
 
 
