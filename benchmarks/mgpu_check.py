@@ -94,16 +94,16 @@ def main():
             steps = k // M.TILE_K
             if t == 16:  # the full sweep at T=16; the other T try the shape's best few
                 cands = {base}
-                for frags, chunks, delay, stages in itertools.product((1, 2), (1, 2), (0, 1), (2, 4)):
-                    tiles = n // (64 * frags)
+                for wgs, chunks, stages in itertools.product((1, 2, 4), (1, 2), (2, 4)):
+                    tiles = n // (64 * wgs)
                     for s in (1, 2, 4, 8, 16):
-                        if steps % (s * chunks) == 0 and tiles * s <= 8 * 132 and tiles * s >= 66:
-                            cands.add(M.MgpuConfig(split_k=s, stages=stages, frags=frags, chunks=chunks, delay=delay))
+                        if tiles and steps % (s * chunks) == 0 and 24 <= tiles * s <= 4 * 132:
+                            cands.add(M.MgpuConfig(split_k=s, stages=stages, compute_wgs=wgs, chunks=chunks))
             else:
                 cands = {base, *top.get((k, n), [])}
             timed = []
             for cfg in sorted(cands, key=lambda c: dataclasses.astuple(c)):
-                key = "s{split_k}_st{stages}_f{frags}_c{chunks}_d{delay}".format(**dataclasses.asdict(cfg))
+                key = "s{split_k}_st{stages}_w{compute_wgs}_c{chunks}".format(**dataclasses.asdict(cfg))
                 us = attempt(f"time_{t}_{k}_{n}_{key}", lambda: measure(lambda a, w, sb: M.decode_gemm_partials(a, w, sb, cfg), a_k, words, sbits))
                 if us is not None:
                     r[f"kernel_{key}_us"] = us

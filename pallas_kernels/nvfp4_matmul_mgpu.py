@@ -105,22 +105,22 @@ prmt.b32 $3, p1, p1, 0x3232;
 class MgpuConfig:
     """Tiles of the Mosaic GPU decode GEMM.
 
-    split_k: programs sharing a weight tile's K (FP32 partials summed after);
-    stages:  TMA pipeline steps in flight per program;
-    frags:   64-row fragments per program (the token tile is loaded once for all);
-    chunks:  TILE_K chunks per pipeline step (fewer, larger steps);
-    delay:   1 lets a step's MMAs run on while the next step decodes (slots released one
-             step late), 0 waits for them at the end of each step."""
+    split_k:     programs sharing a weight tile's K (FP32 partials summed after);
+    stages:      TMA pipeline steps in flight per program;
+    compute_wgs: compute warpgroups per program, 64 weight rows each: they share the token
+                 tile, so more of them cut its shared-memory traffic per weight byte (at
+                 T=16 and 64 rows it is as large as the weight's); a further warpgroup
+                 issues the copies (``plgpu.emit_pipeline_warp_specialized``);
+    chunks:      TILE_K chunks per pipeline step (fewer, larger steps)."""
 
     split_k: int = 1
     stages: int = 4
-    frags: int = 1
+    compute_wgs: int = 2
     chunks: int = 1
-    delay: int = 1
 
     @property
     def rows(self) -> int:
-        return ROWS * self.frags
+        return ROWS * self.compute_wgs
 
     @property
     def step_k(self) -> int:
@@ -128,12 +128,14 @@ class MgpuConfig:
 
 
 def mgpu_config(t: int, n: int, k: int, num_sms: int = 132) -> MgpuConfig:
-    """Split K until about two programs per SM stream the weight (at least one K step each)."""
+    """Split K until about one program per SM streams the weight (at least one K step each)."""
     cfg = MgpuConfig()
-    tiles = -(-n // cfg.rows)
+    if n % cfg.rows:
+        cfg = dataclasses.replace(cfg, compute_wgs=1)
+    tiles = n // cfg.rows
     steps = k // cfg.step_k
     split = 1
-    while tiles * split * 2 <= 2 * num_sms and steps % (split * 2) == 0:
+    while tiles * split * 2 <= 1.5 * num_sms and steps % (split * 2) == 0:
         split *= 2
     return dataclasses.replace(cfg, split_k=split)
 
@@ -270,52 +272,68 @@ def _build(tp: int, n: int, k: int, cfg: MgpuConfig):
         raise ValueError(f"N={n}, K={k}: the config {cfg} needs N divisible by {cfg.rows} and K by {cfg.step_k * cfg.split_k}")
     split, ks = cfg.split_k, k // cfg.split_k
     steps = ks // cfg.step_k
-    stages = max(min(cfg.stages, steps), cfg.delay + 1)
+    wgs = cfg.compute_wgs
     decode = _decode_fragment(TILE_K)
     x_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-    rows, sk_, wk, sck = cfg.rows, cfg.step_k, cfg.step_k // 8, cfg.step_k // 16
+    rows = cfg.rows
+
+    def pipeline(body, context):
+        return plgpu.emit_pipeline_warp_specialized(
+            body,
+            grid=(steps,),
+            memory_registers=40,
+            in_specs=[
+                plgpu.BlockSpec((tp, cfg.step_k), lambda kt: (0, kt), transforms=x_transforms),
+                plgpu.BlockSpec((rows, cfg.step_k // 8), lambda kt: (0, kt)),
+                plgpu.BlockSpec((rows, cfg.step_k // 16), lambda kt: (0, kt)),
+            ],
+            wg_axis="wg",
+            num_compute_wgs=wgs,
+            max_concurrent_steps=min(cfg.stages, steps),
+            compute_context=context,
+        )
 
     def body(x_gmem, wc_gmem, ws_gmem, out_gmem, out_smem):
         jn, sk = jax.lax.axis_index("n"), jax.lax.axis_index("s")
         n_sl = pl.ds(jn * rows, rows)
+        gmem = (x_gmem.at[:, pl.ds(sk * ks, ks)], wc_gmem.at[n_sl, pl.ds(sk * (ks // 8), ks // 8)],
+                ws_gmem.at[n_sl, pl.ds(sk * (ks // 16), ks // 16)])
+        ignore = lambda *_, **__: None
 
-        def scope(*accs):
-            def step(_, x_smem, c_smem, s_smem):
+        @functools.partial(pl.run_scoped, allocs=pipeline(ignore, ignore).get_allocations(*gmem), collective_axes="wg")
+        def _scope(allocs):
+            wg = jax.lax.axis_index("wg")
+            my_rows = pl.ds(wg * ROWS, ROWS)
+
+            def step(_, x_smem, c_smem, s_smem, acc):
                 for ch in range(cfg.chunks):
-                    xt = x_smem.at[:, pl.ds(ch * TILE_K, TILE_K)].transpose((1, 0))
-                    for f, acc in enumerate(accs):
-                        rs = pl.ds(f * ROWS, ROWS)
-                        a = decode(c_smem.at[rs, pl.ds(ch * (TILE_K // 8), TILE_K // 8)],
-                                   s_smem.at[rs, pl.ds(ch * (TILE_K // 16), TILE_K // 16)])
-                        plgpu.wgmma(acc, a, xt)
-                plgpu.wgmma_wait(cfg.delay * cfg.chunks * cfg.frags)
+                    a = decode(c_smem.at[my_rows, pl.ds(ch * (TILE_K // 8), TILE_K // 8)],
+                               s_smem.at[my_rows, pl.ds(ch * (TILE_K // 16), TILE_K // 16)])
+                    plgpu.wgmma(acc, a, x_smem.at[:, pl.ds(ch * TILE_K, TILE_K)].transpose((1, 0)))
+                    # the fragment's registers are free only when its MMA is done (an MMA in
+                    # flight reads them; the compiler may reuse them for the next decode)
+                    plgpu.wgmma_wait(0)
+                return acc
 
-            plgpu.emit_pipeline(
-                step,
-                grid=(steps,),
-                in_specs=[
-                    plgpu.BlockSpec((tp, sk_), lambda kt: (0, kt), transforms=x_transforms, delay_release=cfg.delay),
-                    plgpu.BlockSpec((rows, wk), lambda kt: (0, kt), delay_release=cfg.delay),
-                    plgpu.BlockSpec((rows, sck), lambda kt: (0, kt), delay_release=cfg.delay),
-                ],
-                max_concurrent_steps=stages,
-            )(x_gmem.at[:, pl.ds(sk * ks, ks)], wc_gmem.at[n_sl, pl.ds(sk * (ks // 8), ks // 8)],
-              ws_gmem.at[n_sl, pl.ds(sk * (ks // 16), ks // 16)])
-            plgpu.wgmma_wait(0)
-            for f, acc in enumerate(accs):
-                out_smem[pl.ds(f * ROWS, ROWS), :] = acc[...]
+            def context(run):
+                @functools.partial(pl.run_scoped, acc=plgpu.ACC((ROWS, tp), jnp.float32))
+                def _acc(acc):
+                    run(acc)
+                    out_smem[wg] = acc[...]
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[sk, pl.ds(jn * rows + wg * ROWS, ROWS)])
+                    plgpu.wait_smem_to_gmem(0)
 
-        pl.run_scoped(scope, *[plgpu.ACC((ROWS, tp), jnp.float32) for _ in range(cfg.frags)])
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[sk, n_sl])
-        plgpu.wait_smem_to_gmem(0)
+            pipeline(step, context)(*gmem, allocations=allocs)
 
     return plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((split, n, tp), jnp.float32),
         grid=(n // rows, split),
         grid_names=("n", "s"),
-        scratch_types=[plgpu.SMEM((rows, tp), jnp.float32)],
+        num_threads=wgs + 1,
+        thread_name="wg",
+        scratch_types=[plgpu.SMEM((wgs, ROWS, tp), jnp.float32)],
     )
 
 
