@@ -104,7 +104,16 @@ def main():
             timed = []
             for cfg in sorted(cands, key=lambda c: dataclasses.astuple(c)):
                 key = "s{split_k}_st{stages}_w{compute_wgs}_c{chunks}".format(**dataclasses.asdict(cfg))
-                us = attempt(f"time_{t}_{k}_{n}_{key}", lambda: measure(lambda a, w, sb: M.decode_gemm_partials(a, w, sb, cfg), a_k, words, sbits))
+                kern = jax.jit(lambda a, w, sb: M.decode_gemm_partials(a, w, sb, cfg))
+                parts = attempt(f"run_{t}_{k}_{n}_{key}", lambda: kern(a_k, words, sbits))
+                if parts is None:
+                    continue
+                got = parts.sum(0).T[:t] * w4.global_scale * gx
+                r[f"err_{key}"] = e = float(jnp.max(jnp.abs(got - ref)) / jnp.max(jnp.abs(ref)))
+                if not e < 1e-5:
+                    res["errors"][f"wrong_{t}_{k}_{n}_{key}"] = e
+                    continue
+                us = attempt(f"time_{t}_{k}_{n}_{key}", lambda: measure(kern, a_k, words, sbits))
                 if us is not None:
                     r[f"kernel_{key}_us"] = us
                     timed.append((us, cfg, key))
