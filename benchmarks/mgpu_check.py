@@ -32,6 +32,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--pipelines", default="plain", help="comma list of MgpuConfig.pipeline values to sweep")
+    ap.add_argument("--probe", default=None, help="run one small config of this pipeline, check it, exit (0: correct)")
     ap.add_argument("--budget", type=float, default=400.0, help="seconds; later shapes are skipped past it")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -46,6 +48,18 @@ def main():
     from quads_jax.precision import prepare_weight
 
     t0 = time.time()
+    if args.probe:  # a kernel that deadlocks hangs the process: probe it in its own, under a timeout
+        k, n, t = 2048, 768, 16
+        rng = np.random.default_rng(0)
+        w4 = nvfp4.quantize(jnp.asarray(rng.standard_normal((n, k)).astype(np.float32)))
+        xq = nvfp4.quantize(jnp.asarray(rng.standard_normal((t, k)).astype(np.float32)))
+        a16 = nvfp4.block_values(xq, jnp.float16)
+        ref = (a16.astype(jnp.float32) @ nvfp4.block_values(w4, jnp.float32).T) * w4.global_scale * xq.global_scale
+        cfg = M.MgpuConfig(split_k=2, stages=2, frags=2, pipeline=args.probe)
+        got = jax.block_until_ready(M.nvfp4_decode_gemm(a16, w4, gx=xq.global_scale, config=cfg, out_dtype=jnp.float32))
+        err = float(jnp.max(jnp.abs(got - ref)) / jnp.max(jnp.abs(ref)))
+        print(json.dumps({"probe": args.probe, "max_rel_err": err}), flush=True)
+        sys.exit(0 if err < 1e-5 else 1)
     measure = timer()
     res = {"date": datetime.date.today().isoformat(), "device": jax.devices()[0].device_kind, "rows": [], "errors": {}}
     rng = np.random.default_rng(0)
@@ -91,19 +105,22 @@ def main():
             a_k = M.to_fragment_order(jnp.pad(a16, ((0, tp - t), (0, 0))))
             base = M.mgpu_config(t, n, k)
             r["config"] = dataclasses.asdict(base)
+            ref_full = ref
             steps = k // M.TILE_K
             if t == 16:  # the full sweep at T=16; the other T try the shape's best few
                 cands = {base}
-                for wgs, chunks, stages in itertools.product((1, 2, 4), (1, 2), (2, 4)):
-                    tiles = n // (64 * wgs)
+                for pipe, frags, chunks, stages in itertools.product(args.pipelines.split(","), (1, 2, 4), (1, 2), (2, 4)):
+                    tiles = n // (64 * frags)
+                    if pipe == "ws" and (frags == 1 or chunks == 2):
+                        continue
                     for s in (1, 2, 4, 8, 16):
-                        if tiles and steps % (s * chunks) == 0 and 24 <= tiles * s <= 4 * 132:
-                            cands.add(M.MgpuConfig(split_k=s, stages=stages, compute_wgs=wgs, chunks=chunks))
+                        if tiles and n % (64 * frags) == 0 and steps % (s * chunks) == 0 and 24 <= tiles * s <= 4 * 132:
+                            cands.add(M.MgpuConfig(split_k=s, stages=stages, frags=frags, chunks=chunks, pipeline=pipe))
             else:
                 cands = {base, *top.get((k, n), [])}
             timed = []
             for cfg in sorted(cands, key=lambda c: dataclasses.astuple(c)):
-                key = "s{split_k}_st{stages}_w{compute_wgs}_c{chunks}".format(**dataclasses.asdict(cfg))
+                key = "{pipeline}_s{split_k}_st{stages}_f{frags}_c{chunks}".format(**dataclasses.asdict(cfg))
                 kern = jax.jit(lambda a, w, sb: M.decode_gemm_partials(a, w, sb, cfg))
                 parts = attempt(f"run_{t}_{k}_{n}_{key}", lambda: kern(a_k, words, sbits))
                 if parts is None:

@@ -101,26 +101,43 @@ prmt.b32 $3, p1, p1, 0x3232;
 }"""
 
 
+PIPELINES = ("plain", "ws")
+
+
 @dataclasses.dataclass(frozen=True)
 class MgpuConfig:
     """Tiles of the Mosaic GPU decode GEMM.
 
-    split_k:     programs sharing a weight tile's K (FP32 partials summed after);
-    stages:      TMA pipeline steps in flight per program;
-    compute_wgs: compute warpgroups per program, 64 weight rows each: they share the token
-                 tile, so more of them cut its shared-memory traffic per weight byte (at
-                 T=16 and 64 rows it is as large as the weight's); a further warpgroup
-                 issues the copies (``plgpu.emit_pipeline_warp_specialized``);
-    chunks:      TILE_K chunks per pipeline step (fewer, larger steps)."""
+    split_k:  programs sharing a weight tile's K (FP32 partials summed after);
+    stages:   TMA pipeline steps in flight per program;
+    frags:    64-row weight fragments per program. They share the token tile, so more of
+              them cut its shared-memory traffic per weight byte (at T=16 with one fragment
+              it is as large as the weight's);
+    chunks:   TILE_K chunks per pipeline step (fewer, larger steps);
+    pipeline: "plain": one warpgroup decodes its fragments in turn (``plgpu.emit_pipeline``);
+              "ws": one compute warpgroup per fragment and a copy warpgroup
+              (``plgpu.emit_pipeline_warp_specialized``, warpgroup lowering semantics).
+
+    Each fragment's MMA is waited for before the next decode: an MMA in flight reads its
+    register operand, and the compiler may give those registers to the next decode (seen on
+    the H200: overlapping configs returned wrong sums at random)."""
 
     split_k: int = 1
-    stages: int = 4
-    compute_wgs: int = 2
+    stages: int = 2
+    frags: int = 1
     chunks: int = 1
+    pipeline: str = "plain"
+
+    def __post_init__(self):
+        if self.pipeline not in PIPELINES:
+            raise ValueError(f"pipeline={self.pipeline!r}: expected one of {PIPELINES}")
+        for f in ("split_k", "stages", "frags", "chunks"):
+            if not (isinstance(getattr(self, f), int) and getattr(self, f) >= 1):
+                raise ValueError(f"{f}={getattr(self, f)!r}: expected a positive int")
 
     @property
     def rows(self) -> int:
-        return ROWS * self.compute_wgs
+        return ROWS * self.frags
 
     @property
     def step_k(self) -> int:
@@ -128,14 +145,12 @@ class MgpuConfig:
 
 
 def mgpu_config(t: int, n: int, k: int, num_sms: int = 132) -> MgpuConfig:
-    """Split K until about one program per SM streams the weight (at least one K step each)."""
+    """Split K until about one wave of programs streams the weight (at least one K step each)."""
     cfg = MgpuConfig()
-    if n % cfg.rows:
-        cfg = dataclasses.replace(cfg, compute_wgs=1)
     tiles = n // cfg.rows
     steps = k // cfg.step_k
     split = 1
-    while tiles * split * 2 <= 1.5 * num_sms and steps % (split * 2) == 0:
+    while tiles * split * 2 <= 4 * num_sms and steps % (split * 2) == 0:
         split *= 2
     return dataclasses.replace(cfg, split_k=split)
 
@@ -266,53 +281,72 @@ def _decode_fragment(tile_k):
     return decode
 
 
+def _in_specs(tp, cfg):
+    x_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    return [
+        plgpu.BlockSpec((tp, cfg.step_k), lambda kt: (0, kt), transforms=x_transforms),
+        plgpu.BlockSpec((cfg.rows, cfg.step_k // 8), lambda kt: (0, kt)),
+        plgpu.BlockSpec((cfg.rows, cfg.step_k // 16), lambda kt: (0, kt)),
+    ]
+
+
+def _fragment_mmas(decode, acc, x_smem, c_smem, s_smem, rows, chunks):
+    """acc += the fragment ``rows`` of the step's weight tile @ the token tile, chunk by chunk."""
+    for ch in range(chunks):
+        a = decode(c_smem.at[rows, pl.ds(ch * (TILE_K // 8), TILE_K // 8)],
+                   s_smem.at[rows, pl.ds(ch * (TILE_K // 16), TILE_K // 16)])
+        plgpu.wgmma(acc, a, x_smem.at[:, pl.ds(ch * TILE_K, TILE_K)].transpose((1, 0)))
+        plgpu.wgmma_wait(0)  # the fragment's registers are free again
+
+
 @functools.lru_cache(maxsize=None)
 def _build(tp: int, n: int, k: int, cfg: MgpuConfig):
     if n % cfg.rows or k % (cfg.step_k * cfg.split_k):
         raise ValueError(f"N={n}, K={k}: the config {cfg} needs N divisible by {cfg.rows} and K by {cfg.step_k * cfg.split_k}")
-    split, ks = cfg.split_k, k // cfg.split_k
+    split, ks, rows = cfg.split_k, k // cfg.split_k, cfg.rows
     steps = ks // cfg.step_k
-    wgs = cfg.compute_wgs
+    stages = min(cfg.stages, steps)
     decode = _decode_fragment(TILE_K)
-    x_transforms = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-    rows = cfg.rows
 
-    def pipeline(body, context):
-        return plgpu.emit_pipeline_warp_specialized(
-            body,
-            grid=(steps,),
-            memory_registers=40,
-            in_specs=[
-                plgpu.BlockSpec((tp, cfg.step_k), lambda kt: (0, kt), transforms=x_transforms),
-                plgpu.BlockSpec((rows, cfg.step_k // 8), lambda kt: (0, kt)),
-                plgpu.BlockSpec((rows, cfg.step_k // 16), lambda kt: (0, kt)),
-            ],
-            wg_axis="wg",
-            num_compute_wgs=wgs,
-            max_concurrent_steps=min(cfg.stages, steps),
-            compute_context=context,
-        )
-
-    def body(x_gmem, wc_gmem, ws_gmem, out_gmem, out_smem):
-        jn, sk = jax.lax.axis_index("n"), jax.lax.axis_index("s")
+    def gmem_views(x_gmem, wc_gmem, ws_gmem, jn, sk):
         n_sl = pl.ds(jn * rows, rows)
-        gmem = (x_gmem.at[:, pl.ds(sk * ks, ks)], wc_gmem.at[n_sl, pl.ds(sk * (ks // 8), ks // 8)],
+        return (x_gmem.at[:, pl.ds(sk * ks, ks)], wc_gmem.at[n_sl, pl.ds(sk * (ks // 8), ks // 8)],
                 ws_gmem.at[n_sl, pl.ds(sk * (ks // 16), ks // 16)])
+
+    def plain(x_gmem, wc_gmem, ws_gmem, out_gmem, out_smem):
+        jn, sk = jax.lax.axis_index("n"), jax.lax.axis_index("s")
+
+        def scope(*accs):
+            def step(_, x_smem, c_smem, s_smem):
+                for f, acc in enumerate(accs):
+                    _fragment_mmas(decode, acc, x_smem, c_smem, s_smem, pl.ds(f * ROWS, ROWS), cfg.chunks)
+
+            plgpu.emit_pipeline(step, grid=(steps,), in_specs=_in_specs(tp, cfg), max_concurrent_steps=stages)(
+                *gmem_views(x_gmem, wc_gmem, ws_gmem, jn, sk))
+            for f, acc in enumerate(accs):
+                out_smem[pl.ds(f * ROWS, ROWS), :] = acc[...]
+
+        pl.run_scoped(scope, *[plgpu.ACC((ROWS, tp), jnp.float32) for _ in range(cfg.frags)])
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(out_smem, out_gmem.at[sk, pl.ds(jn * rows, rows)])
+        plgpu.wait_smem_to_gmem(0)
+
+    def pipeline_ws(body, context):
+        return plgpu.emit_pipeline_warp_specialized(
+            body, grid=(steps,), memory_registers=40, in_specs=_in_specs(tp, cfg), wg_axis="wg",
+            num_compute_wgs=cfg.frags, max_concurrent_steps=stages, compute_context=context)
+
+    def ws(x_gmem, wc_gmem, ws_gmem, out_gmem, out_smem):
+        jn, sk = jax.lax.axis_index("n"), jax.lax.axis_index("s")
+        gmem = gmem_views(x_gmem, wc_gmem, ws_gmem, jn, sk)
         ignore = lambda *_, **__: None
 
-        @functools.partial(pl.run_scoped, allocs=pipeline(ignore, ignore).get_allocations(*gmem), collective_axes="wg")
+        @functools.partial(pl.run_scoped, allocs=pipeline_ws(ignore, ignore).get_allocations(*gmem), collective_axes="wg")
         def _scope(allocs):
             wg = jax.lax.axis_index("wg")
-            my_rows = pl.ds(wg * ROWS, ROWS)
 
             def step(_, x_smem, c_smem, s_smem, acc):
-                for ch in range(cfg.chunks):
-                    a = decode(c_smem.at[my_rows, pl.ds(ch * (TILE_K // 8), TILE_K // 8)],
-                               s_smem.at[my_rows, pl.ds(ch * (TILE_K // 16), TILE_K // 16)])
-                    plgpu.wgmma(acc, a, x_smem.at[:, pl.ds(ch * TILE_K, TILE_K)].transpose((1, 0)))
-                    # the fragment's registers are free only when its MMA is done (an MMA in
-                    # flight reads them; the compiler may reuse them for the next decode)
-                    plgpu.wgmma_wait(0)
+                _fragment_mmas(decode, acc, x_smem, c_smem, s_smem, pl.ds(wg * ROWS, ROWS), cfg.chunks)
                 return acc
 
             def context(run):
@@ -322,19 +356,18 @@ def _build(tp: int, n: int, k: int, cfg: MgpuConfig):
                     out_smem[wg] = acc[...]
                     plgpu.commit_smem()
                     plgpu.copy_smem_to_gmem(out_smem.at[wg], out_gmem.at[sk, pl.ds(jn * rows + wg * ROWS, ROWS)])
-                    plgpu.wait_smem_to_gmem(0)
 
-            pipeline(step, context)(*gmem, allocations=allocs)
+            pipeline_ws(step, context)(*gmem, allocations=allocs)
+        plgpu.wait_smem_to_gmem(0)
 
-    return plgpu.kernel(
-        body,
-        out_type=jax.ShapeDtypeStruct((split, n, tp), jnp.float32),
-        grid=(n // rows, split),
-        grid_names=("n", "s"),
-        num_threads=wgs + 1,
-        thread_name="wg",
-        scratch_types=[plgpu.SMEM((wgs, ROWS, tp), jnp.float32)],
-    )
+    out_type = jax.ShapeDtypeStruct((split, n, tp), jnp.float32)
+    if cfg.pipeline == "plain":
+        return plgpu.kernel(plain, out_type=out_type, grid=(n // rows, split), grid_names=("n", "s"),
+                            scratch_types=[plgpu.SMEM((rows, tp), jnp.float32)])
+    return plgpu.kernel(ws, out_type=out_type, grid=(n // rows, split), grid_names=("n", "s"),
+                        num_threads=cfg.frags + 1, thread_name="wg",
+                        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+                        scratch_types=[plgpu.SMEM((cfg.frags, ROWS, tp), jnp.float32)])
 
 
 def decode_gemm_partials(a16, words, scale_bits, cfg: MgpuConfig):
