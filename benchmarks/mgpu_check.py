@@ -34,6 +34,8 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--pipelines", default="plain", help="comma list of MgpuConfig.pipeline values to sweep")
     ap.add_argument("--probe", default=None, help="run one small config of this pipeline, check it, exit (0: correct)")
+    ap.add_argument("--op", action="store_true", help="time the whole nvfp4_matmul op (path mgpu vs fused) and the dots, then exit")
+    ap.add_argument("--shapes", default=None, help="K:N,K:N (default: the three decode shapes)")
     ap.add_argument("--budget", type=float, default=400.0, help="seconds; later shapes are skipped past it")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -42,6 +44,7 @@ def main():
     import jax.numpy as jnp
 
     from bench_kernels import breakdown, timer
+    globals()['breakdown'] = breakdown
     from pallas_kernels import fp8_matmul, nvfp4_matmul
     from pallas_kernels import nvfp4_matmul_mgpu as M
     from quads_jax import fp8, nvfp4
@@ -75,6 +78,12 @@ def main():
             return None
 
     shapes = SHAPES if not args.quick else [(4096, 14336)]
+    if args.shapes:
+        shapes = [tuple(map(int, kn.split(":"))) for kn in args.shapes.split(",")]
+    save = lambda: json.dump(res, open(os.path.join(args.out, "mgpu.json"), "w"), indent=1)
+    if args.op:
+        op_rows(args, res, save, shapes, measure, attempt, t0)
+        return
     top = {}
     for k, n in shapes:
         if time.time() - t0 > args.budget:
@@ -131,6 +140,9 @@ def main():
                     res["errors"][f"wrong_{t}_{k}_{n}_{key}"] = e
                     continue
                 us = attempt(f"time_{t}_{k}_{n}_{key}", lambda: measure(kern, a_k, words, sbits))
+                print(key, us, e, flush=True)
+                res["partial"] = r
+                save()
                 if us is not None:
                     r[f"kernel_{key}_us"] = us
                     timed.append((us, cfg, key))
@@ -166,6 +178,60 @@ def main():
             with open(os.path.join(args.out, "mgpu.json"), "w") as f:
                 json.dump(res, f, indent=1)
     print("done in", round(time.time() - t0), "s")
+
+
+def op_rows(args, res, save, shapes, measure, attempt, t0):
+    """The user-facing op: nvfp4_matmul from BF16 x (activation quantizer, RAC, GEMM, epilogue)
+    with path="mgpu" against path="fused" (Triton), each checked against the XLA backend,
+    and the BF16 and FP8 dots, T in (1, 16, 64), rho in (0, 0.5)."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels import fp8_matmul, nvfp4_matmul
+    from quads_jax import fp8
+    from quads_jax.precision import prepare_weight
+    from quads_jax.tiling import gemm_config
+
+    rng = np.random.default_rng(1)
+    dot_nt = lambda a, b: jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32).astype(jnp.bfloat16)
+    for k, n in shapes:
+        wf = jnp.asarray(rng.standard_normal((n, k)).astype(np.float32) * 0.02)
+        w4p, w8, wb = prepare_weight(wf, "w4a4"), fp8.quantize(wf), wf.astype(jnp.bfloat16)
+        wbytes = w4p.codes.size * w4p.codes.dtype.itemsize + w4p.scales.size
+        for t in (16, 1, 64):
+            if time.time() - t0 > args.budget:
+                res["errors"][f"op_skipped_{t}_{k}_{n}"] = "time budget"
+                continue
+            x = jnp.asarray(rng.standard_normal((t, k)).astype(np.float32)).astype(jnp.bfloat16)
+            r = {"T": t, "K": k, "N": n}
+            r["bf16_dot_us"] = attempt(f"bf16_{t}_{k}_{n}", lambda: measure(dot_nt, x, wb))
+            r["fp8_dot_us"] = attempt(f"fp8_{t}_{k}_{n}", lambda: measure(lambda a, w: fp8_matmul(a, w), x, w8))
+            for rho in (0.0, 0.5):
+                ref = nvfp4_matmul(x, w4p, rac_ratio=rho, act_scale="token", backend="xla").astype(jnp.float32)
+                for path in ("mgpu", "fused"):
+                    cfg = dataclasses.replace(gemm_config(t, n, k), path=path)
+                    f = lambda a, w: nvfp4_matmul(a, w, rac_ratio=rho, act_scale="token", backend="pallas", config=cfg)
+                    key = f"{path}_rho{rho}"
+                    got = attempt(f"op_{key}_{t}_{k}_{n}", lambda: jax.jit(f)(x, w4p))
+                    if got is None:
+                        continue
+                    # BF16 outputs of the same FP32 sums in another order: a few BF16 ulps
+                    r[f"{key}_err"] = float(jnp.max(jnp.abs(got.astype(jnp.float32) - ref)) / jnp.max(jnp.abs(ref)))
+                    r[f"{key}_us"] = attempt(f"time_{key}_{t}_{k}_{n}", lambda: measure(f, x, w4p))
+                    if t == 16 and path == "mgpu":
+                        r[f"{key}_kernels_us"] = attempt(f"bd_{key}", lambda: breakdown(f, x, w4p))
+            us = r.get("mgpu_rho0.0_us")
+            if us:
+                r["mgpu_vs_bf16"] = r["bf16_dot_us"] / us if r.get("bf16_dot_us") else None
+                r["mgpu_vs_fp8"] = r["fp8_dot_us"] / us if r.get("fp8_dot_us") else None
+                r["mgpu_weight_TBps"] = wbytes / us / 1e6
+                if r.get("mgpu_rho0.5_us"):
+                    r["mgpu_rac_overhead"] = r["mgpu_rho0.5_us"] / us - 1
+            res["rows"].append(r)
+            print(json.dumps({kk: v for kk, v in r.items() if not kk.endswith("kernels_us")}), flush=True)
+            save()
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ once per row tile, and the dense dot's MMA pipeline is far faster than decode + 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -46,6 +47,7 @@ from jax.experimental.pallas import triton as plgpu
 from quads_jax import nvfp4
 from quads_jax.tiling import GemmConfig, gemm_config  # noqa: F401  (re-exported)
 from pallas_kernels import backend as _backend
+from pallas_kernels import nvfp4_matmul_mgpu as mgpu
 from pallas_kernels import rac
 from pallas_kernels.nvfp4_decode import nvfp4_block_values
 from pallas_kernels.quantize_activations import QuantizedRows, quantize_activations_rac
@@ -421,7 +423,11 @@ def nvfp4_matmul(x, w, *, rac_ratio=0.0, rac_mode="token", rac_sum="fp16", act_s
     cfg = config or gemm_config(t, sum(wi.shape[0] for wi in ws), k, stacked=stacks_residual(mode, rac_ratio, rac_sum))
     xq, rq = quantized_operands(x, mode=mode, rac_ratio=rac_ratio, rac_mode=rac_mode, act_scale=act_scale, backend="pallas",
                                 quant_config=quant_config)
-    if cfg.path == "dequant":
+    if cfg.path == "mgpu" and not mgpu.eligible(t, tuple(wi.shape[0] for wi in ws), k, mode=mode, rac_ratio=rac_ratio, rac_sum=rac_sum):
+        cfg = dataclasses.replace(cfg, path="fused")
+    if cfg.path == "mgpu":
+        outs = tuple(mgpu.nvfp4_product(xq, rq, wi, out_dtype=out_dtype, interpret=_backend.interpret_mode()) for wi in ws)
+    elif cfg.path == "dequant":
         values = functools.partial(nvfp4_block_values, backend="pallas")
         outs = tuple(dequant_dot(xq, rq, wi, x=x, out_dtype=out_dtype, values=values, rac_sum=rac_sum) for wi in ws)
     else:

@@ -145,12 +145,13 @@ class MgpuConfig:
 
 
 def mgpu_config(t: int, n: int, k: int, num_sms: int = 132) -> MgpuConfig:
-    """Split K until about one wave of programs streams the weight (at least one K step each)."""
+    """Split K while each program keeps two or more steps and the programs stay within about
+    seven per SM, or while they do not fill the SMs once (run 14, T=16: 4096 x 14336 best
+    at split 4, 2048 x 6144 at 4, 2048 x 768 at 8)."""
     cfg = MgpuConfig()
-    tiles = n // cfg.rows
-    steps = k // cfg.step_k
-    split = 1
-    while tiles * split * 2 <= 4 * num_sms and steps % (split * 2) == 0:
+    tiles, steps, split = n // cfg.rows, k // cfg.step_k, 1
+    while steps % (2 * split) == 0 and (
+            (steps // (2 * split) >= 2 and tiles * 2 * split <= 7 * num_sms) or tiles * 2 * split <= num_sms):
         split *= 2
     return dataclasses.replace(cfg, split_k=split)
 
@@ -306,6 +307,9 @@ def _build(tp: int, n: int, k: int, cfg: MgpuConfig):
     split, ks, rows = cfg.split_k, k // cfg.split_k, cfg.rows
     steps = ks // cfg.step_k
     stages = min(cfg.stages, steps)
+    if cfg.pipeline == "ws" and stages < 2:
+        # one step, one slot: the probe configs that hung the H200 had it (not proven the cause)
+        raise ValueError(f"{cfg}: the warp-specialized pipeline needs two or more K steps per program (got {steps})")
     decode = _decode_fragment(TILE_K)
 
     def gmem_views(x_gmem, wc_gmem, ws_gmem, jn, sk):
@@ -376,6 +380,35 @@ def decode_gemm_partials(a16, words, scale_bits, cfg: MgpuConfig):
     tp, k = a16.shape
     n = words.shape[0]
     return _build(tp, n, k, cfg)(a16, words, scale_bits)
+
+
+def eligible(t: int, ns, k: int, *, mode="w4a4", rac_ratio=0.0, rac_sum="fp16") -> bool:
+    """Whether ``nvfp4_matmul``'s path="mgpu" takes this product (else it runs "fused"): W4A4,
+    RAC summed in FP16 (or none), N a multiple of 64, K of 256, at most 256 tokens."""
+    return (mode == "w4a4" and (rac_ratio == 0 or rac_sum == "fp16") and 1 <= t <= 256 and k % TILE_K == 0
+            and all(n % ROWS == 0 for n in ns))
+
+
+def token_operand(xq, rq):
+    """The FP16 token operand from the quantized activations (and RAC's residual)."""
+    from pallas_kernels import rac
+    from quads_jax import nvfp4
+
+    return nvfp4.block_values(xq, jnp.float16) if rq is None else rac.compensated_values(xq, rq)
+
+
+def nvfp4_product(xq, rq, w, *, out_dtype=jnp.bfloat16, interpret=False, config: MgpuConfig | None = None):
+    """gw * gx * (A @ Wq.T) for quantized activations ``xq`` (and residual ``rq``), A their FP16
+    token operand. ``interpret`` (CPU: the kernel's PTX cannot run there) computes the same
+    product with an XLA dot of the same operands."""
+    from quads_jax import nvfp4
+
+    a = token_operand(xq, rq)
+    if not interpret:
+        return nvfp4_decode_gemm(a, w, gx=xq.global_scale, config=config, out_dtype=out_dtype)
+    wv = nvfp4.block_values(w, jnp.float16)
+    out = jax.lax.dot_general(a, wv, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return (out * xq.global_scale * jnp.reshape(w.global_scale, ())).astype(out_dtype)
 
 
 def nvfp4_decode_gemm(a, w, *, gx=None, config: MgpuConfig | None = None, out_dtype=jnp.bfloat16):

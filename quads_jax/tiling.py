@@ -68,7 +68,7 @@ class GemmConfig:
 
 DECODES = ("arith", "bits", "prmt", "words")
 SCALE_LOADS = ("reshape", "gather")
-PATHS = ("fused", "dequant")
+PATHS = ("fused", "dequant", "mgpu")
 ACT_LOADS = ("codes", "values")
 PREFILL_DEQUANT_MIN_T = 512  # token count from which the dense GEMM takes path="dequant"
 # the decode-size GEMMs' weight-tile decode: "words" (measured best on the H200 in run 12,
@@ -77,6 +77,10 @@ PREFILL_DEQUANT_MIN_T = 512  # token count from which the dense GEMM takes path=
 # weights the way the default reads them (code words for "words"). A benchmark switch:
 # QUADS_GEMM_DECODE=prmt. Read at import.
 DEFAULT_DECODE = os.environ.get("QUADS_GEMM_DECODE", "words")
+# decode-size dense GEMMs (T < 256): "fused" (the Triton-lowered Pallas kernel) or "mgpu" (the
+# Mosaic GPU kernel, pallas_kernels.nvfp4_matmul_mgpu; W4A4 with FP16-summed RAC, where its
+# shapes allow; other cases fall back to "fused")
+DECODE_PATH = os.environ.get("QUADS_GEMM_PATH", "fused")
 if DEFAULT_DECODE not in ("prmt", "words"):
     raise ValueError(f"QUADS_GEMM_DECODE={DEFAULT_DECODE!r}: expected 'prmt' or 'words'")
 
@@ -135,4 +139,4 @@ def gemm_config(t: int, n: int, k: int, programs_per_row_tile: int = 1, stacked:
     # reads values (run 12: 86 us against 103 us with codes)
     act_load = "codes" if grouped and decode != "words" else "values"
     return GemmConfig(block_m=bm, block_n=bn, block_k=bk, split_k=split, num_warps=4, num_stages=stages, swap_ab=True,
-                      decode=decode, act_load=act_load)
+                      decode=decode, act_load=act_load, path="fused" if grouped or stacked else DECODE_PATH)
