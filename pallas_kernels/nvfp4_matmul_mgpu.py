@@ -23,9 +23,10 @@ out.T = Wq @ A.T, so the weight is wgmma's A operand, which Hopper reads from re
   product with the block scale. Block scales come from E4M3 in one ``cvt`` per two.
 
 Tokens are wgmma's N (8 to 256 in steps of 8: T is padded to a multiple of 8), so a
-decode step wastes no MMA rows. The grid is (N / 64 weight tiles, split-K); each program
-is one warpgroup, its K range streamed through a ``plgpu.emit_pipeline`` of TMA copies.
-Partial sums leave as FP32 [splits, N, Tp]; one XLA fusion sums, transposes and scales.
+decode step wastes no MMA rows. The grid is (N / rows weight tiles, split-K). A program's K
+range streams through a pipeline of TMA copies, ``MgpuConfig.pipeline``: "plain" (one
+warpgroup decodes its fragments in turn) or "ws" (one compute warpgroup a fragment plus a
+copy warpgroup). Partial sums leave as FP32 [splits, N, Tp]; one XLA fusion sums, transposes and scales.
 
 Compiled only (the decode is inline PTX): on CPU the kernel lowers (tests check that)
 and ``decode_words_emulated`` replays its integer steps in numpy.
@@ -44,7 +45,6 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 ROWS = 64  # weight rows per program: one wgmma M
 TILE_K = 256  # channels per pipeline step (the scales' TMA box needs 16 bytes: 256 / 16)
-WORDS_PER_THREAD = TILE_K // 8 // 4  # per row: 4 threads share a row's TILE_K / 8 words
 
 # FP16 bit patterns' high bytes of the E2M1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 (low bytes 0)
 F16_HI = (0x00, 0x38, 0x3C, 0x3E, 0x40, 0x42, 0x44, 0x46)
@@ -233,7 +233,6 @@ def _decode_fragment(tile_k):
     from jax._src.lib.mlir.dialects import arith, llvm, vector
 
     w_per = tile_k // 32  # words per row per thread
-    groups = tile_k // 8
 
     @plgpu.inline_mgpu(
         arg_types=(plgpu.RefType(), plgpu.RefType()),
@@ -276,7 +275,7 @@ def _decode_fragment(tile_k):
                 for t, p in enumerate(pairs):
                     j = 4 * u + t
                     regs[0, j, 0, 0, i, 0, 0, 0, 0] = mu.bitcast(p, f16x2)
-        assert all(r is not None for r in regs.flat), groups
+        assert all(r is not None for r in regs.flat)
         return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
 
     return decode
