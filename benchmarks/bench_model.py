@@ -93,27 +93,51 @@ def step_profile(eng, batch, max_len, steps=4, top=14):
     return out
 
 
-def rollout(cfg, params, prompts, new_tokens, batch, recipes, out_dir, backends=("pallas", "xla"), profile=True):
+def agreement(ref, res):
+    """Per-request agreement of two generations from the same seeds: the fraction of tokens
+    equal up to the first difference, and the largest |logprob difference| over that prefix."""
+    same, total, gap = 0, 0, 0.0
+    for a, b in zip(ref, res):
+        n = next((i for i, (x, y) in enumerate(zip(a.output_ids, b.output_ids)) if x != y), min(len(a.output_ids), len(b.output_ids)))
+        same, total = same + n, total + len(a.output_ids)
+        if n:
+            gap = max(gap, float(np.max(np.abs(np.asarray(a.logprobs[:n]) - np.asarray(b.logprobs[:n])))))
+    return {"tokens_before_first_difference": same / max(total, 1), "max_abs_logprob_diff": gap}
+
+
+def rollout(cfg, params, prompts, new_tokens, batch, recipes, out_dir, backends=("pallas", "xla"), profile=True,
+            paths=("fused",)):
+    """Output tok/s of each recipe and backend; ``paths`` (tiling.DECODE_PATH: "fused", "mgpu")
+    runs the Pallas backend once per decode-GEMM path, and each path's first batch is compared
+    with the first path's (the same seeds)."""
     from pallas_kernels import use_backend
+    from quads_jax import tiling
     from rollout.engine import Engine, Request
 
     rng = np.random.default_rng(0)
     reqs = [Request(prompt=rng.integers(3, cfg.vocab_size, 64).tolist(), max_new_tokens=new_tokens, seed=i, ignore_eos=True)
             for i in range(prompts)]
     out = RES.setdefault("rollout", {})
+    runs = [(b, p) for b in backends for p in (paths if b == "pallas" else ("fused",))]
     for recipe in recipes:
-        for backend in (("xla",) if recipe in ("bf16", "fp8") else backends):
-            key = f"{recipe}/{backend}"
+        first = {}
+        for backend, path in ([("xla", "fused")] if recipe in ("bf16", "fp8") else runs):
+            key = f"{recipe}/{backend}" + ("" if path == "fused" else f"/{path}")
+            tiling.DECODE_PATH = path
             try:
                 with use_backend(backend):
                     eng = Engine(cfg, recipe=recipe, max_batch=batch, max_len=64 + new_tokens)
                     eng.load(params)
-                    eng.generate(reqs[:batch])  # compile + warm
+                    warm = eng.generate(reqs[:batch])  # compile + warm
                     t0 = time.perf_counter()
                     res = eng.generate(reqs)
                     dt = time.perf_counter() - t0
                 out[key] = {"output_tokens_per_s": sum(len(r.output_ids) for r in res) / dt, "wall_s": dt,
                             "decode_burst": eng.decode_burst}
+                if first:
+                    out[key]["agreement_with_" + first["key"]] = agreement(first["res"], warm)
+                else:
+                    first.update(key=key, res=warm)
                 if profile:
                     try:
                         out[key]["step_kernels_us"] = step_profile(eng, batch, 64 + new_tokens)
@@ -122,6 +146,8 @@ def rollout(cfg, params, prompts, new_tokens, batch, recipes, out_dir, backends=
             except Exception as e:
                 out[key] = {"error": f"{type(e).__name__}: {e}"[:600]}
                 traceback.print_exc()
+            finally:
+                tiling.DECODE_PATH = paths[0]
             print(key, out[key], flush=True)
             json.dump(RES, open(os.path.join(out_dir, "model.json"), "w"), indent=1, default=str)  # keep partial results
     return out
@@ -139,11 +165,13 @@ def markdown(res):
                   f"peak memory {fb['peak_bytes_in_use_GiB']:.1f} GiB", ""]
     ro = res.get("rollout")
     if ro:
-        lines += [f"## Rollout decode ({res['rollout_setup']})", "", "| recipe/backend | output tok/s | step kernels us |", "|---|---|---|"]
+        lines += [f"## Rollout decode ({res['rollout_setup']})", "", "| recipe/backend[/path] | output tok/s | step kernels us | agreement |", "|---|---|---|---|"]
         for k, v in ro.items():
             step = v.get("step_kernels_us", {}).get("total")
+            agree = next((f"{a[len('agreement_with_'):]}: {g['tokens_before_first_difference']:.3f} equal, "
+                          f"max logprob diff {g['max_abs_logprob_diff']:.3g}" for a, g in v.items() if a.startswith("agreement_with_")), "")
             lines.append(f"| {k} | {v.get('output_tokens_per_s', float('nan')):.0f} {v.get('error', '')[:120]} | "
-                         f"{'-' if step is None else f'{step:.0f}'} |")
+                         f"{'-' if step is None else f'{step:.0f}'} | {agree} |")
     if res["errors"]:
         lines += ["", "## Errors", ""] + [f"- {k}: {v[:300]}" for k, v in res["errors"].items()]
     return "\n".join(lines) + "\n"
@@ -164,6 +192,7 @@ def main():
     ap.add_argument("--skip-rollout", action="store_true", help="only the train-step section")
     ap.add_argument("--recipes", default="bf16,fp8,nvfp4,quads,w4a16")
     ap.add_argument("--backends", default="pallas,xla", help="kernel backends of the NVFP4 recipes")
+    ap.add_argument("--paths", default="fused", help="decode-GEMM paths of the Pallas backend (tiling.PATHS: fused,mgpu)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     RES.update(date=datetime.date.today().isoformat(), device=jax.devices()[0].device_kind, jax=jax.__version__)
@@ -193,7 +222,7 @@ def run_rollout_section(a, cfg, params):
             params = split_params(Transformer(cfg, rngs=nnx.Rngs(0)))[1]
         RES["rollout_setup"] = f"{a.prompts} prompts x {a.new_tokens} new tokens, batch {a.decode_batch}, prompt 64"
         RES["rollout"] = rollout(cfg, params, a.prompts, a.new_tokens, a.decode_batch, a.recipes.split(","), a.out,
-                                 backends=tuple(a.backends.split(",")))
+                                 backends=tuple(a.backends.split(",")), paths=tuple(a.paths.split(",")))
     except Exception as e:
         RES["errors"]["rollout"] = f"{type(e).__name__}: {e}"[:2000]
         traceback.print_exc()

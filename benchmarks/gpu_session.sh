@@ -13,6 +13,10 @@
 #   fused_check   the one-launch GEMMs over weights sharing an input, against XLA (gates the rollout's use)
 #   rollout       output tok/s, 256 prompts x 512 new tokens, batch 64 (#5)
 #   rollout_words the rollout of quads and nvfp4 with QUADS_GEMM_DECODE=words (code-word weights)
+#   rollout_paths the rollout with the decode GEMMs on path "fused" and on "mgpu" (the Mosaic GPU
+#                 kernel): tok/s and each path's agreement with the first (tokens, logprobs)
+#   mgpu_op       the whole nvfp4_matmul op, path mgpu vs fused vs the dots (MGPU_OP_ARGS) (#8)
+#   mgpu_sweep    the Mosaic GPU kernel's configs (a ws probe first, in its own process) (MGPU_SWEEP_ARGS) (#8)
 #   ncu           Nsight Compute on the NVFP4 kernels at decode shapes (benchmarks/ncu_probe.py):
 #                 registers, occupancy, DRAM throughput, warp stalls, and their SASS (#8)
 # The device returns only a few files: each stage's log and outputs are appended to one tar,
@@ -24,7 +28,7 @@ o="${OUT:-runs/gpu}"
 mkdir -p "$o"
 export PYTHONUNBUFFERED=1 PYTHONPATH=.:/tmp/site:${PYTHONPATH:-} TRITON_HOME=/tmp/triton_home TRITON_CACHE_DIR=/tmp/triton_cache
 mkdir -p "$TRITON_HOME" "$TRITON_CACHE_DIR"
-ALL="triton_smoke fused_check rollout rollout_words ncu decode grouped sass prefill triton swap tiles train"
+ALL="triton_smoke fused_check rollout rollout_words rollout_paths mgpu_op mgpu_sweep ncu decode grouped sass prefill triton swap tiles train"
 STAGES="${STAGES:-$ALL}"  # run in the order given
 RECIPES="${RECIPES:-quads,fp8,nvfp4,bf16}"
 DEADLINE="${DEADLINE:-575}"  # seconds from the start: no stage runs past it, so every log gets saved
@@ -58,6 +62,13 @@ run_stage() {
       (cd "$o" && tar -rf results.tar fused_check.log && rm -f fused_check.log) ;;
     rollout_words) QUADS_GEMM_DECODE=words stage "${ROLLOUT_CAP:-250}" rollout_words python3 benchmarks/bench_model.py --skip-train \
                --out "$o/rollout_words" --prompts 256 --new-tokens 512 --decode-batch 64 --recipes quads,nvfp4 --backends pallas ;;
+    rollout_paths) stage "${ROLLOUT_CAP:-250}" rollout_paths python3 benchmarks/bench_model.py --skip-train --out "$o/rollout_paths" \
+               --prompts "${PROMPTS:-256}" --new-tokens 512 --decode-batch 64 --recipes "$RECIPES" --backends pallas --paths fused,mgpu ;;
+    mgpu_op) stage "${MGPU_OP_CAP:-160}" mgpu_op python3 benchmarks/mgpu_check.py --out "$o/mgpu_op" --op --budget $(( ${MGPU_OP_CAP:-160} - 25 )) ${MGPU_OP_ARGS:-} ;;
+    mgpu_sweep)
+      timeout 60 python3 benchmarks/mgpu_check.py --out /tmp/probe --probe ws > "$o/mgpu_probe.log" 2>&1
+      echo "== ws probe rc=$?"; tail -2 "$o/mgpu_probe.log"; (cd "$o" && tar -rf results.tar mgpu_probe.log && rm -f mgpu_probe.log)
+      stage "${MGPU_SWEEP_CAP:-200}" mgpu_sweep python3 benchmarks/mgpu_check.py --out "$o/mgpu_sweep" --budget $(( ${MGPU_SWEEP_CAP:-200} - 25 )) ${MGPU_SWEEP_ARGS:-} ;;
     ncu) stage "${NCU_CAP:-120}" ncu bash benchmarks/ncu_stage.sh "$o/ncu" ;;
     rollout) stage "${ROLLOUT_CAP:-250}" rollout python3 benchmarks/bench_model.py --skip-train --out "$o/rollout" --prompts 256 \
                --new-tokens 512 --decode-batch 64 --recipes "$RECIPES" --backends pallas ;;

@@ -28,6 +28,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 SHAPES = [(2048, 768), (2048, 6144), (4096, 14336)]
 
 
+def ints(csv):
+    return tuple(int(v) for v in csv.split(","))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -37,6 +41,10 @@ def main():
     ap.add_argument("--op", action="store_true", help="time the whole nvfp4_matmul op (path mgpu vs fused) and the dots, then exit")
     ap.add_argument("--shapes", default=None, help="K:N,K:N (default: the three decode shapes)")
     ap.add_argument("--budget", type=float, default=400.0, help="seconds; later shapes are skipped past it")
+    ap.add_argument("--frags", default="1,2,4", help="sweep: MgpuConfig.frags values")
+    ap.add_argument("--splits", default="1,2,4,8,16", help="sweep: MgpuConfig.split_k values")
+    ap.add_argument("--chunks", default="1,2", help="sweep: MgpuConfig.chunks values")
+    ap.add_argument("--ts", default="16,1,64", help="token counts (the full sweep runs at 16, the others time its best few)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
 
@@ -98,7 +106,7 @@ def main():
         words = jax.lax.bitcast_convert_type(nvfp4.code_words(w4.codes), jnp.int32)
         sbits = jax.lax.bitcast_convert_type(w4.scales, jnp.uint8)
         wbytes = w4.codes.size * w4.codes.dtype.itemsize + w4.scales.size
-        for t in (16, 1, 64):
+        for t in ints(args.ts):
             x = jnp.asarray(rng.standard_normal((t, k)).astype(np.float32))
             xq = nvfp4.quantize(x)
             a16 = nvfp4.block_values(xq, jnp.float16)
@@ -118,11 +126,11 @@ def main():
             steps = k // M.TILE_K
             if t == 16:  # the full sweep at T=16; the other T try the shape's best few
                 cands = {base}
-                for pipe, frags, chunks, stages in itertools.product(args.pipelines.split(","), (1, 2, 4), (1, 2), (2, 4)):
+                for pipe, frags, chunks, stages in itertools.product(args.pipelines.split(","), ints(args.frags), ints(args.chunks), (2, 4)):
                     tiles = n // (64 * frags)
                     if pipe == "ws" and (frags == 1 or chunks == 2):
                         continue
-                    for s in (1, 2, 4, 8, 16):
+                    for s in ints(args.splits):
                         if tiles and n % (64 * frags) == 0 and steps % (s * chunks) == 0 and 24 <= tiles * s <= 4 * 132:
                             cands.add(M.MgpuConfig(split_k=s, stages=stages, frags=frags, chunks=chunks, pipeline=pipe))
             else:
@@ -200,7 +208,7 @@ def op_rows(args, res, save, shapes, measure, attempt, t0):
         wf = jnp.asarray(rng.standard_normal((n, k)).astype(np.float32) * 0.02)
         w4p, w8, wb = prepare_weight(wf, "w4a4"), fp8.quantize(wf), wf.astype(jnp.bfloat16)
         wbytes = w4p.codes.size * w4p.codes.dtype.itemsize + w4p.scales.size
-        for t in (16, 1, 64):
+        for t in ints(args.ts):
             if time.time() - t0 > args.budget:
                 res["errors"][f"op_skipped_{t}_{k}_{n}"] = "time budget"
                 continue
