@@ -15,6 +15,7 @@
 #   rollout_words the rollout of quads and nvfp4 with QUADS_GEMM_DECODE=words (code-word weights)
 #   rollout_paths the rollout with the decode GEMMs on path "fused" and on "mgpu" (the Mosaic GPU
 #                 kernel): tok/s and each path's agreement with the first (tokens, logprobs)
+#   quant         the activation quantizer's configs (chunk, warps, RAC selection), bit-checked against XLA (#8)
 #   mgpu_op       the whole nvfp4_matmul op, path mgpu vs fused vs the dots (MGPU_OP_ARGS) (#8)
 #   mgpu_sweep    the Mosaic GPU kernel's configs (a ws probe first, in its own process) (MGPU_SWEEP_ARGS) (#8)
 #   ncu           Nsight Compute on the NVFP4 kernels at decode shapes (benchmarks/ncu_probe.py):
@@ -28,7 +29,7 @@ o="${OUT:-runs/gpu}"
 mkdir -p "$o"
 export PYTHONUNBUFFERED=1 PYTHONPATH=.:/tmp/site:${PYTHONPATH:-} TRITON_HOME=/tmp/triton_home TRITON_CACHE_DIR=/tmp/triton_cache
 mkdir -p "$TRITON_HOME" "$TRITON_CACHE_DIR"
-ALL="triton_smoke fused_check rollout rollout_words rollout_paths mgpu_op mgpu_sweep ncu decode grouped sass prefill triton swap tiles train"
+ALL="triton_smoke fused_check rollout rollout_words rollout_paths quant mgpu_op mgpu_sweep ncu decode grouped sass prefill triton swap tiles train"
 STAGES="${STAGES:-$ALL}"  # run in the order given
 RECIPES="${RECIPES:-quads,fp8,nvfp4,bf16}"
 DEADLINE="${DEADLINE:-575}"  # seconds from the start: no stage runs past it, so every log gets saved
@@ -63,7 +64,8 @@ run_stage() {
     rollout_words) QUADS_GEMM_DECODE=words stage "${ROLLOUT_CAP:-250}" rollout_words python3 benchmarks/bench_model.py --skip-train \
                --out "$o/rollout_words" --prompts 256 --new-tokens 512 --decode-batch 64 --recipes quads,nvfp4 --backends pallas ;;
     rollout_paths) stage "${ROLLOUT_CAP:-250}" rollout_paths python3 benchmarks/bench_model.py --skip-train --out "$o/rollout_paths" \
-               --prompts "${PROMPTS:-256}" --new-tokens 512 --decode-batch 64 --recipes "$RECIPES" --backends pallas --paths fused,mgpu ;;
+               --prompts "${PROMPTS:-256}" --new-tokens 512 --decode-batch 64 --recipes "$RECIPES" --backends "${BACKENDS:-pallas}" --paths fused,mgpu ;;
+    quant) stage "${QUANT_CAP:-200}" quant python3 $BK --out "$o/quant" --only quant ;;
     mgpu_op) stage "${MGPU_OP_CAP:-160}" mgpu_op python3 benchmarks/mgpu_check.py --out "$o/mgpu_op" --op --budget $(( ${MGPU_OP_CAP:-160} - 25 )) ${MGPU_OP_ARGS:-} ;;
     mgpu_sweep)
       timeout 60 python3 benchmarks/mgpu_check.py --out /tmp/probe --probe ws > "$o/mgpu_probe.log" 2>&1

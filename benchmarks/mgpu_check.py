@@ -128,7 +128,7 @@ def main():
                 cands = {base}
                 for pipe, frags, chunks, stages in itertools.product(args.pipelines.split(","), ints(args.frags), ints(args.chunks), (2, 4)):
                     tiles = n // (64 * frags)
-                    if pipe == "ws" and (frags == 1 or chunks == 2):
+                    if pipe == "ws" and (frags == 1 or frags > M.WS_MAX_FRAGS or chunks == 2):
                         continue
                     for s in ints(args.splits):
                         if tiles and n % (64 * frags) == 0 and steps % (s * chunks) == 0 and 24 <= tiles * s <= 4 * 132:

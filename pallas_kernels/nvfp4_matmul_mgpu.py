@@ -102,6 +102,7 @@ prmt.b32 $3, p1, p1, 0x3232;
 
 
 PIPELINES = ("plain", "ws")
+WS_MAX_FRAGS = 2  # compute warpgroups of the "ws" pipeline measured to run (run 15)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +135,10 @@ class MgpuConfig:
         for f in ("split_k", "stages", "frags", "chunks"):
             if not (isinstance(getattr(self, f), int) and getattr(self, f) >= 1):
                 raise ValueError(f"{f}={getattr(self, f)!r}: expected a positive int")
+        if self.pipeline == "ws" and self.frags > WS_MAX_FRAGS:
+            # run 15: 4 compute warpgroups (split 2, 8 K steps a program) hung the H200
+            raise ValueError(f"frags={self.frags}: the warp-specialized pipeline hung the H200 with more than "
+                             f"{WS_MAX_FRAGS} compute warpgroups; use pipeline='plain'")
 
     @property
     def rows(self) -> int:

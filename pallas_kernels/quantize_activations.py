@@ -43,6 +43,18 @@ class QuantConfig:
     # of by XLA reductions before it; the same bits either way. Default for per-token scales:
     # it saved 2-3 us a call on the H200 (run 10: 11.2 -> 8.3 us at 16 x 2048 -> 768)
     fused_amax: bool = True
+    # RAC's in-kernel top fraction: "rank" (all-pairs count), "bisect" (31 counting steps), or
+    # "auto" (rank for rows of up to RANK_MAX_BLOCKS blocks); the same selection either way
+    select: str = "auto"
+
+    def __post_init__(self):
+        if self.select not in SELECTS:
+            raise ValueError(f"QuantConfig.select={self.select!r}: expected one of {SELECTS}")
+        if self.chunk < 16 or self.chunk & (self.chunk - 1):
+            raise ValueError(f"QuantConfig.chunk={self.chunk}: expected a power of two >= 16")
+
+
+SELECTS = ("auto", "rank", "bisect")
 
 
 def quant_config(t: int, k: int) -> QuantConfig:
@@ -65,21 +77,21 @@ def _encode_pair(qe, qo, rows, chunk):
     return lo | (hi << 4)
 
 
-def _row_global_scale(x_ref, row_sl, row_ok, k, c, arith, interpret):
-    """Per-row ``amax(|x|) / (6 * 448)`` (1.0 for an all-zero row), as ``nvfp4.global_scale_for``."""
-    amax = None
-    for j in range(k // c):
-        xe, xo = load_even_odd(x_ref, row_sl, j * c, c, row_ok, interpret, other=0.0)
-        m = jnp.maximum(jnp.abs(xe.astype(jnp.float32)).max(1, keepdims=True), jnp.abs(xo.astype(jnp.float32)).max(1, keepdims=True))
-        amax = m if amax is None else jnp.maximum(amax, m)
-    gs = arith.div(amax, nvfp4.E2M1_MAX * nvfp4.E4M3_MAX)
+def _row_global_scale(chunks, arith):
+    """Per-row ``amax(|x|) / (6 * 448)`` (1.0 for an all-zero row), as ``nvfp4.global_scale_for``,
+    from the row's loaded (even, odd) chunks: elementwise maxima, then one reduction."""
+    m = None
+    for xe, xo in chunks:
+        mj = jnp.maximum(jnp.abs(xe.astype(jnp.float32)), jnp.abs(xo.astype(jnp.float32)))
+        m = mj if m is None else jnp.maximum(m, mj)
+    gs = arith.div(m.max(1, keepdims=True), nvfp4.E2M1_MAX * nvfp4.E4M3_MAX)
     return jnp.where(gs == 0, 1.0, gs)
 
 
 RANK_MAX_BLOCKS = 256  # rows of up to this many 16-blocks select by rank, longer ones by bisection
 
 
-def _top_blocks(energies, n_sel, rows):
+def _top_blocks(energies, n_sel, rows, select="auto"):
     """Per row, the blocks whose energy is >= the n_sel-th largest (``rac.selection_mask``),
     for energies given chunk by chunk ([rows, blocks] each): a list of boolean masks.
 
@@ -89,7 +101,7 @@ def _top_blocks(energies, n_sel, rows):
     all-pairs count (one reduction); longer rows find the n-th largest bit pattern by a
     31-step bisection on counts instead of the quadratic compare."""
     ebits = [jax.lax.bitcast_convert_type(e, jnp.int32) for e in energies]
-    if sum(e.shape[1] for e in ebits) <= RANK_MAX_BLOCKS:
+    if select == "rank" or (select == "auto" and sum(e.shape[1] for e in ebits) <= RANK_MAX_BLOCKS):
         out = []
         for ei in ebits:
             larger = jnp.zeros(ei.shape, jnp.int32)
@@ -128,15 +140,17 @@ def _quant_kernel(*refs, t, k, cfg, n_sel, use_mask, arith, interpret):
     i = pl.program_id(0)
     row_sl = pl.ds(i * bm, bm)
     row_ok = (i * bm + jnp.arange(bm) < t)[:, None]
+    # each chunk is loaded once and kept in registers for both passes (a row of K channels is
+    # K / (32 * num_warps) values a thread)
+    chunks = [load_even_odd(x_ref, row_sl, j * c, c, row_ok, interpret, other=0.0) for j in range(k // c)]
     if cfg.fused_amax:
-        gx = _row_global_scale(x_ref, row_sl, row_ok, k, c, arith, interpret)  # [bm, 1]
+        gx = _row_global_scale(chunks, arith)  # [bm, 1]
         plgpu.store(refs[-1].at[row_sl, :], gx, mask=row_ok)
     else:
         gx = plgpu.load(gx_ref.at[row_sl, :], mask=row_ok, other=1.0)  # [bm, 1]
     g3 = gx[:, :, None]
     pending = []
-    for j in range(k // c):
-        xe, xo = load_even_odd(x_ref, row_sl, j * c, c, row_ok, interpret, other=0.0)
+    for j, (xe, xo) in enumerate(chunks):
         xe = _split_blocks(xe.astype(jnp.float32), bm, c)
         xo = _split_blocks(xo.astype(jnp.float32), bm, c)
         amax = jnp.maximum(jnp.abs(xe).max(-1), jnp.abs(xo).max(-1))
@@ -152,7 +166,7 @@ def _quant_kernel(*refs, t, k, cfg, n_sel, use_mask, arith, interpret):
             pending.append((re, ro, energy))
     if not rac_on:
         return
-    selected = None if use_mask else _top_blocks([e for _, _, e in pending], n_sel, bm)
+    selected = None if use_mask else _top_blocks([e for _, _, e in pending], n_sel, bm, cfg.select)
     gr = gx * rac.RESIDUAL_SCALE_FACTOR
     for j, (re, ro, energy) in enumerate(pending):
         if use_mask:
@@ -226,6 +240,8 @@ def quantize_activations_rac(x, *, rac_ratio: float = 0.0, rac_mode: str = "toke
         rq = rac.quantize_residual(x, gx, rac_ratio, rac_mode) if rac_ratio > 0 else None
         return xq, rq
     cfg = config or quant_config(t, k)
+    if k % cfg.chunk:
+        raise ValueError(f"config: QuantConfig.chunk={cfg.chunk} must divide K={k}")
     use_mask = rac_ratio > 0 and rac_mode != "token"
     if cfg.fused_amax and (act_scale != "token" or use_mask):
         cfg = dataclasses.replace(cfg, fused_amax=False)  # a per-tensor scale or mask needs the whole tensor first

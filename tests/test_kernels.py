@@ -364,17 +364,24 @@ def test_quantizer_fused_amax_equals_xla(rng, rho):
     np.testing.assert_array_equal(np.asarray(xt.codes), np.asarray(pk.quantize_activations(x, act_scale="tensor", backend="xla").codes))
 
 
-@pytest.mark.parametrize("rank_max", [0, 256])  # 0: every row by bisection; 256: by rank count
-def test_rac_selection_rank_and_bisection_equal_xla_with_ties(rng, rank_max, monkeypatch):
-    import sys
+def test_quant_config_is_checked(rng):
+    with pytest.raises(ValueError, match="select"):
+        pk.QuantConfig(select="sort")
+    with pytest.raises(ValueError, match="chunk"):
+        pk.QuantConfig(chunk=96)
+    x = jnp.asarray(rng.standard_normal((4, 192)), jnp.bfloat16)
+    with pytest.raises(ValueError, match="chunk=128 must divide K=192"):
+        pk.quantize_activations(x, backend="pallas", config=pk.QuantConfig(chunk=128))
 
-    monkeypatch.setattr(sys.modules["pallas_kernels.quantize_activations"], "RANK_MAX_BLOCKS", rank_max)
+
+@pytest.mark.parametrize("select", ["bisect", "rank"])
+def test_rac_selection_rank_and_bisection_equal_xla_with_ties(rng, select):
     x = heavy(rng, (9, 512))
     blocks = x.reshape(9, 32, 16)
     blocks[1] = blocks[1, :1]  # every block of token 1 equal: all tie, all selected
     blocks[2, 8:16] = blocks[2, 0]  # a tie across the selection boundary
     x = jnp.asarray(blocks.reshape(9, 512)).astype(jnp.bfloat16)
-    cfg = pk.QuantConfig(chunk=128)  # four chunks a row: the counts span chunks
+    cfg = pk.QuantConfig(chunk=128, select=select)  # four chunks a row: the counts span chunks
     for rho in (0.125, 0.5):
         xa, ra = pk.quantize_activations_rac(x, rac_ratio=rho, act_scale="token", backend="xla")
         xb, rb = pk.quantize_activations_rac(x, rac_ratio=rho, act_scale="token", backend="pallas", config=cfg)

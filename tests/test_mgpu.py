@@ -67,6 +67,8 @@ def test_configs_and_shapes_are_checked():
         M.MgpuConfig(pipeline="tma")
     with pytest.raises(ValueError, match="split_k"):
         M.MgpuConfig(split_k=0)
+    with pytest.raises(ValueError, match="frags=4"):
+        M.MgpuConfig(frags=4, pipeline="ws")
     with pytest.raises(ValueError, match="K=100"):
         M.check_shapes(16, 128, 100)
     with pytest.raises(ValueError, match="N=100"):

@@ -149,10 +149,12 @@ def test_fp8_engine_runs_the_expert_layout_and_stays_near_the_trainer(params):
     assert 0 < gap.max() < 0.5, gap
 
 
-@pytest.mark.parametrize("backend", ["xla", "pallas"])
-def test_engine_with_word_coded_weights_generates_the_same(params, backend, monkeypatch):
+def test_engine_with_word_coded_weights_generates_the_same(params, monkeypatch):
     """QUADS_GEMM_DECODE=words: the engine stores its NVFP4 codes as uint32 words (the same
-    bytes); generation gives the same tokens, log-probs equal up to accumulation order."""
+    bytes); generation gives the same tokens, log-probs equal up to accumulation order. (The
+    Pallas GEMMs read the words; the XLA reference's block values of words are checked in
+    test_nvfp4.test_code_words_hold_the_same_bytes_and_values.)"""
+    backend = "pallas"
     from pallas_kernels import use_backend
     from quads_jax import tiling
 
@@ -169,7 +171,7 @@ def test_engine_with_word_coded_weights_generates_the_same(params, backend, monk
             out[decode] = eng.generate(q)
     assert [r.output_ids for r in out["words"]] == [r.output_ids for r in out["prmt"]]
     for a, b in zip(out["words"], out["prmt"]):
-        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=0 if backend == "xla" else 1e-4)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
 
 
 def test_gap_bf16_below_nvfp4_naive(params):
