@@ -118,6 +118,7 @@ def rollout(cfg, params, prompts, new_tokens, batch, recipes, out_dir, backends=
     reqs = [Request(prompt=rng.integers(3, cfg.vocab_size, 64).tolist(), max_new_tokens=new_tokens, seed=i, ignore_eos=True)
             for i in range(prompts)]
     out = RES.setdefault("rollout", {})
+    default_path = tiling.DECODE_PATH
     runs = [(b, p) for b in backends for p in (paths if b == "pallas" else ("fused",))]
     for recipe in recipes:
         first = {}
@@ -147,7 +148,7 @@ def rollout(cfg, params, prompts, new_tokens, batch, recipes, out_dir, backends=
                 out[key] = {"error": f"{type(e).__name__}: {e}"[:600]}
                 traceback.print_exc()
             finally:
-                tiling.DECODE_PATH = paths[0]
+                tiling.DECODE_PATH = default_path
             print(key, out[key], flush=True)
             json.dump(RES, open(os.path.join(out_dir, "model.json"), "w"), indent=1, default=str)  # keep partial results
     return out
