@@ -743,8 +743,11 @@ def quant_candidates(k):
 
     from pallas_kernels import QuantConfig
 
-    return [QuantConfig(chunk=c, num_warps=w, select=sel) for c, w, sel in itertools.product((256, 512, 1024, 2048), (4, 8), ("rank", "bisect"))
-            if k % c == 0 and not (sel == "rank" and k // 16 > 512)]
+    # the row split (parts) with the chunk widths and warps that lay a chunk's parity half out
+    # at one value a thread or more; plus RAC's bisection for one program a row
+    split = [QuantConfig(chunk=c, num_warps=w, parts=p) for p, c, w in itertools.product((1, 2, 4, 8, 16), (256, 512, 1024), (4, 8))
+             if (k // p) % c == 0 and c // 2 >= 32 * w]
+    return split + [QuantConfig(chunk=c, num_warps=8, select="bisect") for c in (512, 1024) if k % c == 0]
 
 
 @section("quant")
@@ -765,9 +768,9 @@ def quant_sweep(measure, shapes=((16, 4096), (64, 4096), (16, 2048), (64, 2048),
         for rho in (0.0, 0.5):
             ref = quantize_activations_rac(x, rac_ratio=rho, act_scale="token", backend="xla")
             row = {"default_config": dataclasses.asdict(quant_config(t, k))}
-            cands = quant_candidates(k) if rho else [c for c in quant_candidates(k) if c.select == "rank" or k // 16 > 512]
+            cands = quant_candidates(k) if rho else [c for c in quant_candidates(k) if c.select == "auto"]
             for cfg in [None] + cands:
-                name = "default" if cfg is None else f"c{cfg.chunk}_w{cfg.num_warps}_{cfg.select}"
+                name = "default" if cfg is None else f"p{cfg.parts}_c{cfg.chunk}_w{cfg.num_warps}_{cfg.select}"
                 f = lambda v, cfg=cfg: quantize_activations_rac(v, rac_ratio=rho, act_scale="token", backend="pallas", config=cfg)
                 try:
                     got = f(x)

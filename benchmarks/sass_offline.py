@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import importlib
 import dataclasses
 import json
 import os
@@ -136,18 +137,79 @@ def cases(override=None):
         yield name, fn, cfg, values
 
 
+def quant_cases(shapes=((16, 4096), (64, 4096), (16, 2048), (1, 4096))):
+    """(name, lower(), QuantConfig) of the activation quantizer (per-token scales) at decode
+    sizes, RAC 0 and 0.5, with the heuristic's config and with one program per row
+    (parts=1, the layout before the row split)."""
+    import jax
+    import jax.numpy as jnp
+
+    QA = importlib.import_module("pallas_kernels.quantize_activations")  # the package exports a function of that name
+
+    for t, k in shapes:
+        x = jnp.ones((t, k), jnp.bfloat16)
+        for rho in (0.0, 0.5):
+            n_sel = QA.rac.num_selected(rho, k // 16)
+            default = QA.quant_config(t, k)
+            for cfg in (default, QA.QuantConfig(chunk=min(1024, k), num_warps=8 if k >= 1024 else 4, parts=1)):
+                fn = lambda cfg=cfg, n_sel=n_sel, x=x: jax.jit(
+                    lambda v: QA._quant_call(v, None, None, n_sel=n_sel, use_mask=False, cfg=cfg, interpret=False)
+                ).trace(x).lower(lowering_platforms=("cuda",))
+                yield f"quant T{t} K{k} rho{rho} parts{cfg.parts} chunk{cfg.chunk} w{cfg.num_warps}", fn, cfg
+
+
+def compile_ttir(triton_python, ttir, path, num_warps, num_stages):
+    """Compile captured TTIR for sm_90: (error or None, registers, stack bytes, SASS text)."""
+    open(path, "w").write(ttir)
+    r = subprocess.run([triton_python, "-c", COMPILE, path, str(num_warps), str(num_stages)], capture_output=True, text=True)
+    if r.returncode:
+        return r.stderr[-800:], None, None, ""
+    res = re.search(r"REG:(\d+)\s+STACK:(\d+)", r.stdout)
+    return None, int(res.group(1)) if res else None, int(res.group(2)) if res else None, open(path + ".sass").read()
+
+
+def quant_main(a, captured, tmp):
+    """Whole-kernel instruction counts of the quantizer (it has no main loop: its chunks and
+    rank counts are unrolled, so the static count is about each thread's serial work)."""
+    import jax
+
+    rows = []
+    for i, (name, lower, cfg) in enumerate(quant_cases()):
+        jax.clear_caches()
+        lower()
+        err, regs, stack, sass = compile_ttir(a.triton_python, captured[-1], os.path.join(tmp, f"q{i}.ttir"), cfg.num_warps, cfg.num_stages)
+        ops = [m.group(2).split(".")[0] for m in re.finditer(r"/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)]
+        row = {"kernel": name, "config": dataclasses.asdict(cfg)}
+        if err:
+            row["error"] = err
+        else:
+            row.update(registers=regs, stack_bytes=stack, instructions=len(ops), spill_ops=ops.count("LDL") + ops.count("STL"),
+                       opcodes=dict(collections.Counter(ops).most_common(8)))
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k not in ("config", "opcodes")}), flush=True)
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        json.dump(rows, open(os.path.join(a.out, "sass_offline_quant.json"), "w"), indent=1)
+        lines = ["| kernel | registers | instructions (whole kernel) | spill ops |", "|---|---|---|---|"]
+        lines += [f"| {r['kernel']} | {r.get('registers')} | {r.get('instructions')} | {r.get('spill_ops')} |" for r in rows]
+        open(os.path.join(a.out, "sass_offline_quant.md"), "w").write("\n".join(lines) + "\n")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--triton-python", required=True, help="a Python with triton==3.6.0 installed (no GPU needed)")
     ap.add_argument("--out", default=None, help="write sass_offline.json and .md here")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                     help="GemmConfig fields to override in every case, e.g. --set decode=words")
+    ap.add_argument("--kernels", default="gemm", choices=("gemm", "quant"), help="the GEMMs' main loops, or the activation quantizer")
     a = ap.parse_args()
     captured = capture_ttir()
     import jax
 
-    rows = []
     tmp = tempfile.mkdtemp()
+    if a.kernels == "quant":
+        return quant_main(a, captured, tmp)
+    rows = []
     override = {}
     for kv in a.set:
         f, v = kv.split("=", 1)
@@ -155,17 +217,13 @@ def main():
     for i, (name, lower, cfg, values) in enumerate(cases(override)):
         jax.clear_caches()
         lower()
-        path = os.path.join(tmp, f"k{i}.ttir")
-        open(path, "w").write(captured[-1])
-        r = subprocess.run([a.triton_python, "-c", COMPILE, path, str(cfg.num_warps), str(cfg.num_stages)], capture_output=True, text=True)
+        err, regs, stack, sass = compile_ttir(a.triton_python, captured[-1], os.path.join(tmp, f"k{i}.ttir"), cfg.num_warps, cfg.num_stages)
         row = {"kernel": name, "config": dataclasses.asdict(cfg), "values_per_thread_per_iteration": values}
-        if r.returncode:
-            row["error"] = r.stderr[-800:]
+        if err:
+            row["error"] = err
         else:
-            res = re.search(r"REG:(\d+)\s+STACK:(\d+)", r.stdout)
-            n, body = main_loop(open(path + ".sass").read())
-            row.update(registers=int(res.group(1)) if res else None, stack_bytes=int(res.group(2)) if res else None,
-                       loop_instructions=n, instructions_per_value=round(n / values, 2), loop_spill_ops=body["LDL"] + body["STL"],
+            n, body = main_loop(sass)
+            row.update(registers=regs, stack_bytes=stack, loop_instructions=n, instructions_per_value=round(n / values, 2), loop_spill_ops=body["LDL"] + body["STL"],
                        loop_opcodes=dict(body.most_common(12)))
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "config"}), flush=True)

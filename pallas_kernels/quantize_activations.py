@@ -6,12 +6,19 @@ scale (per tensor, or per token), identical to ``quads_jax.nvfp4.quantize``. Wit
 see ``rac.py``) and quantizes them a second time, so the rollout's activation side is one
 launch after a tiny amax reduction.
 
-Kernel layout: one program per ``block_rows`` tokens; the row is walked in chunks of
-``chunk`` channels (a power of two dividing K). Each chunk is loaded as its even and odd
-channels (stride-2 loads), which are exactly the low and high nibbles of the packed codes,
-so packing needs no interleave. The in-kernel top fraction is exact: an all-pairs rank
-count of the block energies for rows of up to RANK_MAX_BLOCKS blocks, a 31-step bisection
-on their bit patterns for longer rows (``_top_blocks``).
+Kernel layout: the grid is (token rows / ``block_rows``, ``parts``). Program (i, p) owns
+the channels [p K / parts, (p + 1) K / parts) of its tokens: it quantizes and stores only
+those. What needs the whole row (the per-token amax, RAC's residual energies for the
+selection) it computes from the whole row, loaded again by each of the row's programs (a
+few KB from L2), so the bits do not depend on ``parts``. At decode sizes this is what keeps
+the chip busy: 16 tokens are 16 programs, one a row, and RAC's selection is the longest
+serial work in them; ``parts`` spreads each row's selection and stores over several programs.
+Rows are walked in chunks of ``chunk`` channels (a power of two dividing K / parts). Each
+chunk is loaded as its even and odd channels (stride-2 loads), which are exactly the low and
+high nibbles of the packed codes, so packing needs no interleave. The in-kernel top fraction
+is exact: an all-pairs rank count of the owned blocks' energies against the row's, for rows of
+up to RANK_MAX_BLOCKS blocks, a 31-step bisection on their bit patterns for longer rows
+(``_top_blocks``).
 """
 
 from __future__ import annotations
@@ -46,22 +53,48 @@ class QuantConfig:
     # RAC's in-kernel top fraction: "rank" (all-pairs count), "bisect" (31 counting steps), or
     # "auto" (rank for rows of up to RANK_MAX_BLOCKS blocks); the same selection either way
     select: str = "auto"
+    # programs per token row, each owning K / parts channels (a power of two; the same bits
+    # for any value: see the module docstring)
+    parts: int = 1
 
     def __post_init__(self):
         if self.select not in SELECTS:
             raise ValueError(f"QuantConfig.select={self.select!r}: expected one of {SELECTS}")
         if self.chunk < 16 or self.chunk & (self.chunk - 1):
             raise ValueError(f"QuantConfig.chunk={self.chunk}: expected a power of two >= 16")
+        if not isinstance(self.parts, int) or self.parts < 1 or self.parts & (self.parts - 1):
+            raise ValueError(f"QuantConfig.parts={self.parts!r}: expected a power of two >= 1")
+
+    def check(self, k: int) -> None:
+        """Raise a ValueError naming the field unless this config can quantize rows of K channels."""
+        if k % (self.parts * 16):
+            raise ValueError(f"config: QuantConfig.parts={self.parts} must divide K={k} into whole 16-blocks")
+        if (k // self.parts) % self.chunk:
+            raise ValueError(f"config: QuantConfig.chunk={self.chunk} must divide K={k} / parts={self.parts}")
 
 
 SELECTS = ("auto", "rank", "bisect")
 
 
-def quant_config(t: int, k: int) -> QuantConfig:
+MIN_PART = 256  # channels a program owns at the least (one 16-block of RAC selection work a warp)
+
+
+def quant_config(t: int, k: int, num_sms: int = 132) -> QuantConfig:
+    """Decode sizes (few tokens) split each row over ``parts`` programs until about one wave
+    runs (T=16: 8 parts, T=64: 2); prefill sizes take one program per row (or two rows)."""
+    block_rows = 1 if t < 1024 else 2
+    programs = -(-t // block_rows)
+    parts = 1
+    while programs * parts * 2 <= num_sms and k % (parts * 2 * MIN_PART) == 0:
+        parts *= 2
     chunk = 1024
-    while k % chunk:
+    while (k // parts) % chunk:
         chunk //= 2
-    return QuantConfig(block_rows=1 if t < 1024 else 2, chunk=chunk, num_warps=4 if chunk <= 512 else 8)
+    # 8 warps from 512-channel chunks (a parity half of 256 values: one a thread); offline SASS
+    # of T=16, K=4096, RAC 0.5 (benchmarks/results/2026-12-05-offline-sass-quant): 8 parts of
+    # 512-channel chunks on 8 warps issue 3872 warp instructions per scheduler, one program a
+    # row 7216 (each program issues fewer; the rows' other channels are loaded, not stored)
+    return QuantConfig(block_rows=block_rows, chunk=chunk, num_warps=8 if chunk >= 512 else 4, parts=parts)
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -91,19 +124,21 @@ def _row_global_scale(chunks, arith):
 RANK_MAX_BLOCKS = 256  # rows of up to this many 16-blocks select by rank, longer ones by bisection
 
 
-def _top_blocks(energies, n_sel, rows, select="auto"):
-    """Per row, the blocks whose energy is >= the n_sel-th largest (``rac.selection_mask``),
-    for energies given chunk by chunk ([rows, blocks] each): a list of boolean masks.
+def _top_blocks(own, energies, n_sel, rows, select="auto"):
+    """Per row, which of the blocks ``own`` (energies, [rows, blocks] per chunk) have an energy
+    >= the n_sel-th largest of the row's ``energies`` (all its chunks; ``rac.selection_mask``):
+    a list of boolean masks, one per owned chunk.
 
     Energies are non-negative, so their int32 bit patterns order as the values do. A block
     is selected iff fewer than n_sel blocks of its row are strictly larger (the same set as
     ``>=`` the n-th largest, ties included): up to RANK_MAX_BLOCKS blocks a row this is one
-    all-pairs count (one reduction); longer rows find the n-th largest bit pattern by a
-    31-step bisection on counts instead of the quadratic compare."""
-    ebits = [jax.lax.bitcast_convert_type(e, jnp.int32) for e in energies]
+    all-pairs count of the owned blocks against the row's (one reduction); longer rows find
+    the n-th largest bit pattern by a 31-step bisection on counts instead."""
+    bits = lambda es: [jax.lax.bitcast_convert_type(e, jnp.int32) for e in es]
+    obits, ebits = bits(own), bits(energies)
     if select == "rank" or (select == "auto" and sum(e.shape[1] for e in ebits) <= RANK_MAX_BLOCKS):
         out = []
-        for ei in ebits:
+        for ei in obits:
             larger = jnp.zeros(ei.shape, jnp.int32)
             for ej in ebits:
                 larger += jnp.sum((ej[:, None, :] > ei[:, :, None]).astype(jnp.int32), axis=2)
@@ -125,7 +160,27 @@ def _top_blocks(energies, n_sel, rows, select="auto"):
     lo0 = jnp.zeros((rows, 1), jnp.int32)
     hi0 = jnp.full((rows, 1), 0x7F800001, jnp.int32)
     tau, _ = jax.lax.fori_loop(0, 31, step, (lo0, hi0))
-    return [eb >= tau for eb in ebits]
+    return [eb >= tau for eb in obits]
+
+
+def _quantize_chunk(xe, xo, gx, rows, c, arith):
+    """One chunk's even and odd channels -> (E2M1 values of each, block scales, the chunk's
+    float32 channels of each), blocks on axis 1."""
+    xe = _split_blocks(xe.astype(jnp.float32), rows, c)
+    xo = _split_blocks(xo.astype(jnp.float32), rows, c)
+    amax = jnp.maximum(jnp.abs(xe).max(-1), jnp.abs(xo).max(-1))
+    qe, s = nvfp4.quantize_blocks(xe, amax, gx, arith=arith)
+    qo, _ = nvfp4.quantize_blocks(xo, amax, gx, arith=arith)
+    return qe, qo, s, xe, xo
+
+
+def _residual(quantized, gx, arith):
+    """A quantized chunk -> its residual's even and odd channels and block energies."""
+    qe, qo, s, xe, xo = quantized
+    s3, g3 = s[:, :, None], gx[:, :, None]
+    re = xe - arith.mul(qe * s3, g3)
+    ro = xo - arith.mul(qo * s3, g3)
+    return re, ro, jnp.sum(re * re, -1) + jnp.sum(ro * ro, -1)
 
 
 def _quant_kernel(*refs, t, k, cfg, n_sel, use_mask, arith, interpret):
@@ -136,41 +191,37 @@ def _quant_kernel(*refs, t, k, cfg, n_sel, use_mask, arith, interpret):
     xc_ref, xs_ref = refs[0], refs[1]
     rac_on = n_sel > 0 or use_mask
     rc_ref, rs_ref = (refs[2], refs[3]) if rac_on else (None, None)
-    bm, c = cfg.block_rows, cfg.chunk
-    i = pl.program_id(0)
+    bm, c, own = cfg.block_rows, cfg.chunk, k // cfg.parts
+    i, p = pl.program_id(0), pl.program_id(1)
     row_sl = pl.ds(i * bm, bm)
     row_ok = (i * bm + jnp.arange(bm) < t)[:, None]
-    # each chunk is loaded once and kept in registers for both passes (a row of K channels is
-    # K / (32 * num_warps) values a thread)
-    chunks = [load_even_odd(x_ref, row_sl, j * c, c, row_ok, interpret, other=0.0) for j in range(k // c)]
+    load = lambda start: load_even_odd(x_ref, row_sl, start, c, row_ok, interpret, other=0.0)
+    # the owned chunks start at channel p * own + j * c (the program index times a constant,
+    # never a division: see gemm_tile_loop); with parts > 1 the whole row is loaded too, for
+    # the amax and the residual energies, and kept in registers (K / (32 num_warps) a thread)
+    at = lambda j, unit=1: p * (own // unit) + j * (c // unit)
+    whole = cfg.parts > 1 and (cfg.fused_amax or n_sel > 0)
+    row = [load(j * c) for j in range(k // c)] if whole else None
+    chunks = [load(at(j)) for j in range(own // c)]
     if cfg.fused_amax:
-        gx = _row_global_scale(chunks, arith)  # [bm, 1]
-        plgpu.store(refs[-1].at[row_sl, :], gx, mask=row_ok)
+        gx = _row_global_scale(row or chunks, arith)  # [bm, 1]
+        plgpu.store(refs[-1].at[row_sl, :], gx, mask=row_ok & (p == 0))
     else:
         gx = plgpu.load(gx_ref.at[row_sl, :], mask=row_ok, other=1.0)  # [bm, 1]
-    g3 = gx[:, :, None]
-    pending = []
-    for j, (xe, xo) in enumerate(chunks):
-        xe = _split_blocks(xe.astype(jnp.float32), bm, c)
-        xo = _split_blocks(xo.astype(jnp.float32), bm, c)
-        amax = jnp.maximum(jnp.abs(xe).max(-1), jnp.abs(xo).max(-1))
-        qe, s = nvfp4.quantize_blocks(xe, amax, gx, arith=arith)
-        qo, _ = nvfp4.quantize_blocks(xo, amax, gx, arith=arith)
-        plgpu.store(xc_ref.at[row_sl, pl.ds(j * c // 2, c // 2)], _encode_pair(qe, qo, bm, c).astype(jnp.uint8), mask=row_ok)
-        plgpu.store(xs_ref.at[row_sl, pl.ds(j * c // 16, c // 16)], nvfp4.encode_e4m3_bits(s).astype(jnp.uint8), mask=row_ok)
-        if rac_on:
-            s3 = s[:, :, None]
-            re = xe - arith.mul(qe * s3, g3)
-            ro = xo - arith.mul(qo * s3, g3)
-            energy = jnp.sum(re * re, -1) + jnp.sum(ro * ro, -1)
-            pending.append((re, ro, energy))
+    owned = [_quantize_chunk(xe, xo, gx, bm, c, arith) for xe, xo in chunks]
+    for j, (qe, qo, s, *_) in enumerate(owned):
+        plgpu.store(xc_ref.at[row_sl, pl.ds(at(j, 2), c // 2)], _encode_pair(qe, qo, bm, c).astype(jnp.uint8), mask=row_ok)
+        plgpu.store(xs_ref.at[row_sl, pl.ds(at(j, 16), c // 16)], nvfp4.encode_e4m3_bits(s).astype(jnp.uint8), mask=row_ok)
     if not rac_on:
         return
-    selected = None if use_mask else _top_blocks([e for _, _, e in pending], n_sel, bm, cfg.select)
+    residuals = [_residual(q, gx, arith) for q in owned]
+    if not use_mask:
+        energies = [_residual(_quantize_chunk(xe, xo, gx, bm, c, arith), gx, arith)[-1] for xe, xo in row] if row else None
+        selected = _top_blocks([e for _, _, e in residuals], energies or [e for _, _, e in residuals], n_sel, bm, cfg.select)
     gr = gx * rac.RESIDUAL_SCALE_FACTOR
-    for j, (re, ro, energy) in enumerate(pending):
+    for j, (re, ro, _) in enumerate(residuals):
         if use_mask:
-            me, mo = load_even_odd(mask_ref, row_sl, j * c, c, row_ok, interpret)
+            me, mo = load_even_odd(mask_ref, row_sl, at(j), c, row_ok, interpret)
             me = _split_blocks(me, bm, c) != 0
             mo = _split_blocks(mo, bm, c) != 0
         else:
@@ -180,8 +231,8 @@ def _quant_kernel(*refs, t, k, cfg, n_sel, use_mask, arith, interpret):
         amax = jnp.maximum(jnp.abs(re).max(-1), jnp.abs(ro).max(-1))
         qe, s = nvfp4.quantize_blocks(re, amax, gr, arith=arith)
         qo, _ = nvfp4.quantize_blocks(ro, amax, gr, arith=arith)
-        plgpu.store(rc_ref.at[row_sl, pl.ds(j * c // 2, c // 2)], _encode_pair(qe, qo, bm, c).astype(jnp.uint8), mask=row_ok)
-        plgpu.store(rs_ref.at[row_sl, pl.ds(j * c // 16, c // 16)], nvfp4.encode_e4m3_bits(s).astype(jnp.uint8), mask=row_ok)
+        plgpu.store(rc_ref.at[row_sl, pl.ds(at(j, 2), c // 2)], _encode_pair(qe, qo, bm, c).astype(jnp.uint8), mask=row_ok)
+        plgpu.store(rs_ref.at[row_sl, pl.ds(at(j, 16), c // 16)], nvfp4.encode_e4m3_bits(s).astype(jnp.uint8), mask=row_ok)
 
 
 @functools.partial(jax.jit, static_argnames=("n_sel", "use_mask", "cfg", "interpret"))
@@ -200,7 +251,7 @@ def _quant_call(x, gx, mask, *, n_sel, use_mask, cfg, interpret):
     return pl.pallas_call(
         kernel,
         out_shape=out_shape,
-        grid=(pl.cdiv(t, cfg.block_rows),),
+        grid=(pl.cdiv(t, cfg.block_rows), cfg.parts),
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
         name="nvfp4_quantize_activations",
@@ -240,8 +291,7 @@ def quantize_activations_rac(x, *, rac_ratio: float = 0.0, rac_mode: str = "toke
         rq = rac.quantize_residual(x, gx, rac_ratio, rac_mode) if rac_ratio > 0 else None
         return xq, rq
     cfg = config or quant_config(t, k)
-    if k % cfg.chunk:
-        raise ValueError(f"config: QuantConfig.chunk={cfg.chunk} must divide K={k}")
+    cfg.check(k)
     use_mask = rac_ratio > 0 and rac_mode != "token"
     if cfg.fused_amax and (act_scale != "token" or use_mask):
         cfg = dataclasses.replace(cfg, fused_amax=False)  # a per-tensor scale or mask needs the whole tensor first

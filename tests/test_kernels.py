@@ -369,9 +369,46 @@ def test_quant_config_is_checked(rng):
         pk.QuantConfig(select="sort")
     with pytest.raises(ValueError, match="chunk"):
         pk.QuantConfig(chunk=96)
+    with pytest.raises(ValueError, match="parts=3"):
+        pk.QuantConfig(parts=3)
     x = jnp.asarray(rng.standard_normal((4, 192)), jnp.bfloat16)
     with pytest.raises(ValueError, match="chunk=128 must divide K=192"):
         pk.quantize_activations(x, backend="pallas", config=pk.QuantConfig(chunk=128))
+    with pytest.raises(ValueError, match="parts=8 must divide K=192"):
+        pk.quantize_activations(x, backend="pallas", config=pk.QuantConfig(chunk=16, parts=8))
+    with pytest.raises(ValueError, match="chunk=64 must divide K=192 / parts=4"):
+        pk.quantize_activations(x, backend="pallas", config=pk.QuantConfig(chunk=64, parts=4))
+
+
+@pytest.mark.parametrize("act_scale,rac_mode", [("token", "token"), ("tensor", "token"), ("token", "tensor"), ("tensor", "channel")])
+def test_quantizer_row_split_is_bit_identical(rng, act_scale, rac_mode):
+    """``QuantConfig.parts`` programs a row (each storing its share of the channels, the
+    amax and RAC's selection taken over the whole row) give the XLA reference's bits for any
+    split, with ties across the parts' boundary and T not a multiple of anything."""
+    x = heavy(rng, (11, 512))
+    blocks = x.reshape(11, 32, 16)
+    blocks[2, 6:10] = blocks[2, 0]  # a tie spanning parts (16-channel blocks 6..9 cross channel 128)
+    x = jnp.asarray(blocks.reshape(11, 512)).astype(jnp.bfloat16).at[4].set(0.0)  # and an all-zero token
+    for rho in (0.0, 0.25):
+        xa, ra = pk.quantize_activations_rac(x, rac_ratio=rho, rac_mode=rac_mode, act_scale=act_scale, backend="xla")
+        for parts, chunk, select in ((2, 128, "rank"), (4, 64, "bisect"), (8, 64, "auto")):
+            cfg = pk.QuantConfig(chunk=chunk, parts=parts, select=select)
+            xb, rb = pk.quantize_activations_rac(x, rac_ratio=rho, rac_mode=rac_mode, act_scale=act_scale, backend="pallas", config=cfg)
+            for a, b in ((xa, xb), (ra, rb)) if rho else ((xa, xb),):
+                np.testing.assert_array_equal(np.asarray(a.codes), np.asarray(b.codes), err_msg=f"{cfg}")
+                np.testing.assert_array_equal(np.asarray(a.scales).view(np.uint8), np.asarray(b.scales).view(np.uint8))
+                np.testing.assert_array_equal(np.asarray(a.global_scale).view(np.uint32), np.asarray(b.global_scale).view(np.uint32))
+
+
+def test_quant_config_splits_rows_at_decode_sizes():
+    from pallas_kernels.quantize_activations import quant_config
+
+    assert [quant_config(t, 4096).parts for t in (1, 16, 64, 128, 4096)] == [16, 8, 2, 1, 1]
+    assert quant_config(16, 2048).parts == 8 and quant_config(16, 1024).parts == 4  # each part owns >= 256 channels
+    for t, k in ((1, 4096), (16, 4096), (64, 1024), (16, 768), (4096, 4096)):
+        cfg = quant_config(t, k)
+        cfg.check(k)
+        assert (k // cfg.parts) % cfg.chunk == 0 and cfg.chunk // 2 >= 32 * cfg.num_warps
 
 
 @pytest.mark.parametrize("select", ["bisect", "rank"])
