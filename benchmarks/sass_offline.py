@@ -139,8 +139,9 @@ def cases(override=None):
 
 def quant_cases(shapes=((16, 4096), (64, 4096), (16, 2048), (1, 4096))):
     """(name, lower(), QuantConfig) of the activation quantizer (per-token scales) at decode
-    sizes, RAC 0 and 0.5, with the heuristic's config and with one program per row
-    (parts=1, the layout before the row split)."""
+    sizes, RAC 0 and 0.5: the heuristic's config writing codes, and the FP16 GEMM operand in
+    the word-part and the fragment order (``quantize_operand``); and one program per row
+    writing codes (parts=1, the layout before the row split)."""
     import jax
     import jax.numpy as jnp
 
@@ -151,11 +152,14 @@ def quant_cases(shapes=((16, 4096), (64, 4096), (16, 2048), (1, 4096))):
         for rho in (0.0, 0.5):
             n_sel = QA.rac.num_selected(rho, k // 16)
             default = QA.quant_config(t, k)
-            for cfg in (default, QA.QuantConfig(chunk=min(1024, k), num_warps=8 if k >= 1024 else 4, parts=1)):
-                fn = lambda cfg=cfg, n_sel=n_sel, x=x: jax.jit(
-                    lambda v: QA._quant_call(v, None, None, n_sel=n_sel, use_mask=False, cfg=cfg, interpret=False)
+            one_row = QA.QuantConfig(chunk=min(1024, k), num_warps=8 if k >= 1024 else 4, parts=1)
+            for cfg, emit in ((default, None), (default, ("words", 256)), (default, ("fragment", 256)), (one_row, None)):
+                rows = -(-t // 8) * 8 if emit else None
+                fn = lambda cfg=cfg, n_sel=n_sel, x=x, emit=emit, rows=rows: jax.jit(
+                    lambda v: QA._quant_call(v, None, None, n_sel=n_sel, use_mask=False, cfg=cfg, interpret=False, emit=emit, rows_out=rows)
                 ).trace(x).lower(lowering_platforms=("cuda",))
-                yield f"quant T{t} K{k} rho{rho} parts{cfg.parts} chunk{cfg.chunk} w{cfg.num_warps}", fn, cfg
+                out = "codes" if emit is None else f"operand {emit[0]}"
+                yield f"quant T{t} K{k} rho{rho} parts{cfg.parts} chunk{cfg.chunk} w{cfg.num_warps} -> {out}", fn, cfg
 
 
 def compile_ttir(triton_python, ttir, path, num_warps, num_stages):

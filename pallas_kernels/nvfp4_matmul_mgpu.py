@@ -393,42 +393,58 @@ def eligible(t: int, ns, k: int, *, mode="w4a4", rac_ratio=0.0, rac_sum="fp16") 
             and all(n % ROWS == 0 for n in ns))
 
 
-def token_operand(xq, rq):
-    """The FP16 token operand from the quantized activations (and RAC's residual)."""
-    from pallas_kernels import rac
-    from quads_jax import nvfp4
-
-    return nvfp4.block_values(xq, jnp.float16) if rq is None else rac.compensated_values(xq, rq)
-
-
 def nvfp4_product(xq, rq, w, *, out_dtype=jnp.bfloat16, interpret=False, config: MgpuConfig | None = None):
     """gw * gx * (A @ Wq.T) for quantized activations ``xq`` (and residual ``rq``), A their FP16
-    token operand. ``interpret`` (CPU: the kernel's PTX cannot run there) computes the same
-    product with an XLA dot of the same operands."""
+    token operand (``rac.token_operand``)."""
+    from pallas_kernels import rac
+
+    a = rac.token_operand(xq, rq)
+    t = a.shape[0]
+    a16 = to_fragment_order(jnp.pad(a, ((0, padded_tokens(t) - t), (0, 0))))
+    return fragment_product(a16, w, t, gx=xq.global_scale, out_dtype=out_dtype, interpret=interpret, config=config)
+
+
+def fragment_product(a16, w, t: int, *, gx, out_dtype=jnp.bfloat16, interpret=False, config: MgpuConfig | None = None):
+    """``fragment_gemm``; with ``interpret`` (CPU: the kernel's PTX cannot run there) the same
+    product by an XLA dot of the same fragment-ordered operand and the weight's FP16 block
+    values put in that channel order (a wrong order changes the sum)."""
     from quads_jax import nvfp4
 
-    a = token_operand(xq, rq)
     if not interpret:
-        return nvfp4_decode_gemm(a, w, gx=xq.global_scale, config=config, out_dtype=out_dtype)
-    wv = nvfp4.block_values(w, jnp.float16)
-    out = jax.lax.dot_general(a, wv, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    return (out * xq.global_scale * jnp.reshape(w.global_scale, ())).astype(out_dtype)
+        return fragment_gemm(a16, w, t, gx=gx, config=config, out_dtype=out_dtype)
+    wv = to_fragment_order(nvfp4.block_values(w, jnp.float16))
+    out = jax.lax.dot_general(a16[:t], wv, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return (out * gx * jnp.reshape(w.global_scale, ())).astype(out_dtype)
 
 
 def nvfp4_decode_gemm(a, w, *, gx=None, config: MgpuConfig | None = None, out_dtype=jnp.bfloat16):
     """a [T, K] FP16 token operand (NVFP4 block values, or RAC's compensated values) @ Wq.T for
     an NVFP4Tensor weight [N, K]; ``gx`` the activations' global scale (scalar or [T, 1]).
     Returns gw * gx * (a @ Wq.T) [T, N] in ``out_dtype``."""
-    from quads_jax import nvfp4
-
     if a.dtype != jnp.float16:
         raise ValueError(f"a: expected the float16 token operand, got {a.dtype}")
-    t, k = a.shape
+    t = a.shape[0]
+    a16 = to_fragment_order(jnp.pad(a, ((0, padded_tokens(t) - t), (0, 0))))
+    return fragment_gemm(a16, w, t, gx=gx, config=config, out_dtype=out_dtype)
+
+
+def padded_tokens(t: int) -> int:
+    """The token operand's rows: T padded to wgmma's N granularity (8)."""
+    return -(-t // 8) * 8
+
+
+def fragment_gemm(a16, w, t: int, *, gx=None, config: MgpuConfig | None = None, out_dtype=jnp.bfloat16):
+    """``nvfp4_decode_gemm`` for a token operand already in fragment order with
+    ``padded_tokens(t)`` rows (``to_fragment_order``, or the activation quantizer's
+    ``quantize_operand(order=("fragment", TILE_K))``, which writes it so): [t, N]."""
+    from quads_jax import nvfp4
+
+    tp, k = a16.shape
     n = w.shape[0]
     check_shapes(t, n, k)
+    if a16.dtype != jnp.float16 or tp != padded_tokens(t):
+        raise ValueError(f"a16: expected the float16 operand of {padded_tokens(t)} rows, got {a16.dtype}{a16.shape}")
     cfg = config or mgpu_config(t, n, k)
-    tp = -(-t // 8) * 8
-    a16 = to_fragment_order(jnp.pad(a, ((0, tp - t), (0, 0))))
     words = jax.lax.bitcast_convert_type(nvfp4.code_words(w.codes), jnp.int32)
     sbits = jax.lax.bitcast_convert_type(w.scales, jnp.uint8)
     parts = decode_gemm_partials(a16, words, sbits, cfg)

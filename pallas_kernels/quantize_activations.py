@@ -26,6 +26,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import numpy as np
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -34,7 +36,7 @@ from jax.experimental.pallas import triton as plgpu
 from quads_jax import nvfp4
 from pallas_kernels import backend as _backend
 from pallas_kernels import rac
-from pallas_kernels.tile_math import kernel_arith, load_even_odd
+from pallas_kernels.tile_math import kernel_arith, load_even_odd, operand_columns
 
 
 # ----------------------------------------------------------------------------- tuning
@@ -183,14 +185,34 @@ def _residual(quantized, gx, arith):
     return re, ro, jnp.sum(re * re, -1) + jnp.sum(ro * ro, -1)
 
 
-def _quant_kernel(*refs, t, k, cfg, n_sel, use_mask, arith, interpret):
+def _store_codes(c_ref, s_ref, row_sl, row_ok, at, j, quantized, rows, c):
+    qe, qo, s = quantized[:3]
+    plgpu.store(c_ref.at[row_sl, pl.ds(at(j, 2), c // 2)], _encode_pair(qe, qo, rows, c).astype(jnp.uint8), mask=row_ok)
+    plgpu.store(s_ref.at[row_sl, pl.ds(at(j, 16), c // 16)], nvfp4.encode_e4m3_bits(s).astype(jnp.uint8), mask=row_ok)
+
+
+def _store_operand(a_ref, rows_idx, rows_ok, start, quantized, residual, rows, c, order):
+    """The chunk's FP16 token operand (``rac.compensated_values``, or the block values without
+    a residual: the same float32 sum, rounded once), scattered to its columns in ``order``."""
+    for par in (0, 1):  # even, odd channels
+        v = quantized[par] * quantized[2][:, :, None]  # E2M1 value x block scale: exact
+        if residual is not None:
+            v = v + residual[par] * residual[2][:, :, None] * rac.RESIDUAL_SCALE_FACTOR
+        cols = operand_columns(start + par + 2 * jnp.arange(c // 2, dtype=jnp.int32), order)[None, :]
+        plgpu.store(a_ref.at[rows_idx, cols], v.reshape(rows, c // 2).astype(jnp.float16), mask=rows_ok)
+
+
+def _quant_kernel(*refs, t, k, cfg, n_sel, use_mask, arith, interpret, emit=None, rows_out=None):
     refs = list(refs)
     x_ref = refs.pop(0)
     gx_ref = None if cfg.fused_amax else refs.pop(0)
     mask_ref = refs.pop(0) if use_mask else None
-    xc_ref, xs_ref = refs[0], refs[1]
     rac_on = n_sel > 0 or use_mask
-    rc_ref, rs_ref = (refs[2], refs[3]) if rac_on else (None, None)
+    if emit:
+        a_ref = refs[0]
+    else:
+        xc_ref, xs_ref = refs[0], refs[1]
+        rc_ref, rs_ref = (refs[2], refs[3]) if rac_on else (None, None)
     bm, c, own = cfg.block_rows, cfg.chunk, k // cfg.parts
     i, p = pl.program_id(0), pl.program_id(1)
     row_sl = pl.ds(i * bm, bm)
@@ -209,49 +231,57 @@ def _quant_kernel(*refs, t, k, cfg, n_sel, use_mask, arith, interpret):
     else:
         gx = plgpu.load(gx_ref.at[row_sl, :], mask=row_ok, other=1.0)  # [bm, 1]
     owned = [_quantize_chunk(xe, xo, gx, bm, c, arith) for xe, xo in chunks]
-    for j, (qe, qo, s, *_) in enumerate(owned):
-        plgpu.store(xc_ref.at[row_sl, pl.ds(at(j, 2), c // 2)], _encode_pair(qe, qo, bm, c).astype(jnp.uint8), mask=row_ok)
-        plgpu.store(xs_ref.at[row_sl, pl.ds(at(j, 16), c // 16)], nvfp4.encode_e4m3_bits(s).astype(jnp.uint8), mask=row_ok)
-    if not rac_on:
-        return
-    residuals = [_residual(q, gx, arith) for q in owned]
-    if not use_mask:
-        energies = [_residual(_quantize_chunk(xe, xo, gx, bm, c, arith), gx, arith)[-1] for xe, xo in row] if row else None
-        selected = _top_blocks([e for _, _, e in residuals], energies or [e for _, _, e in residuals], n_sel, bm, cfg.select)
-    gr = gx * rac.RESIDUAL_SCALE_FACTOR
-    for j, (re, ro, _) in enumerate(residuals):
-        if use_mask:
-            me, mo = load_even_odd(mask_ref, row_sl, at(j), c, row_ok, interpret)
-            me = _split_blocks(me, bm, c) != 0
-            mo = _split_blocks(mo, bm, c) != 0
-        else:
-            me = mo = selected[j][:, :, None]
-        re = jnp.where(me, re, 0.0)
-        ro = jnp.where(mo, ro, 0.0)
-        amax = jnp.maximum(jnp.abs(re).max(-1), jnp.abs(ro).max(-1))
-        qe, s = nvfp4.quantize_blocks(re, amax, gr, arith=arith)
-        qo, _ = nvfp4.quantize_blocks(ro, amax, gr, arith=arith)
-        plgpu.store(rc_ref.at[row_sl, pl.ds(at(j, 2), c // 2)], _encode_pair(qe, qo, bm, c).astype(jnp.uint8), mask=row_ok)
-        plgpu.store(rs_ref.at[row_sl, pl.ds(at(j, 16), c // 16)], nvfp4.encode_e4m3_bits(s).astype(jnp.uint8), mask=row_ok)
+    second = [None] * len(owned)
+    if rac_on:
+        residuals = [_residual(q, gx, arith) for q in owned]
+        if not use_mask:
+            energies = [_residual(_quantize_chunk(xe, xo, gx, bm, c, arith), gx, arith)[-1] for xe, xo in row] if row else None
+            selected = _top_blocks([e for _, _, e in residuals], energies or [e for _, _, e in residuals], n_sel, bm, cfg.select)
+        gr = gx * rac.RESIDUAL_SCALE_FACTOR
+        for j, (re, ro, _) in enumerate(residuals):
+            if use_mask:
+                me, mo = load_even_odd(mask_ref, row_sl, at(j), c, row_ok, interpret)
+                me = _split_blocks(me, bm, c) != 0
+                mo = _split_blocks(mo, bm, c) != 0
+            else:
+                me = mo = selected[j][:, :, None]
+            re = jnp.where(me, re, 0.0)
+            ro = jnp.where(mo, ro, 0.0)
+            amax = jnp.maximum(jnp.abs(re).max(-1), jnp.abs(ro).max(-1))
+            qe, s = nvfp4.quantize_blocks(re, amax, gr, arith=arith)
+            qo, _ = nvfp4.quantize_blocks(ro, amax, gr, arith=arith)
+            second[j] = (qe, qo, s)
+    for j, (q, r) in enumerate(zip(owned, second)):
+        if emit:  # every row of the (padded) operand is written; rows from T on are zero
+            rows_idx = (i * bm + jnp.arange(bm))[:, None]
+            _store_operand(a_ref, rows_idx, rows_idx < rows_out, at(j), q, r, bm, c, emit)
+            continue
+        _store_codes(xc_ref, xs_ref, row_sl, row_ok, at, j, q, bm, c)
+        if r is not None:
+            _store_codes(rc_ref, rs_ref, row_sl, row_ok, at, j, r, bm, c)
 
 
-@functools.partial(jax.jit, static_argnames=("n_sel", "use_mask", "cfg", "interpret"))
-def _quant_call(x, gx, mask, *, n_sel, use_mask, cfg, interpret):
+@functools.partial(jax.jit, static_argnames=("n_sel", "use_mask", "cfg", "interpret", "emit", "rows_out"))
+def _quant_call(x, gx, mask, *, n_sel, use_mask, cfg, interpret, emit=None, rows_out=None):
+    """The kernel's outputs: codes and scale bits of x (and of the residual with RAC), then
+    the per-token global scales when the kernel computes them; with ``emit`` (an order, see
+    ``tile_math.operand_columns``) the FP16 token operand [rows_out, K] in place of the codes."""
     t, k = x.shape
     rac_on = n_sel > 0 or use_mask
-    out_shape = [jax.ShapeDtypeStruct((t, k // 2), jnp.uint8), jax.ShapeDtypeStruct((t, k // 16), jnp.uint8)]
-    if rac_on:
-        out_shape = out_shape * 2
+    rows = rows_out or t
+    if emit:
+        out_shape = [jax.ShapeDtypeStruct((rows, k), jnp.float16)]
+    else:
+        out_shape = [jax.ShapeDtypeStruct((t, k // 2), jnp.uint8), jax.ShapeDtypeStruct((t, k // 16), jnp.uint8)] * (2 if rac_on else 1)
     if cfg.fused_amax:
         out_shape.append(jax.ShapeDtypeStruct((t, 1), jnp.float32))
-    kernel = functools.partial(
-        _quant_kernel, t=t, k=k, cfg=cfg, n_sel=n_sel, use_mask=use_mask, arith=kernel_arith(interpret), interpret=interpret
-    )
+    kernel = functools.partial(_quant_kernel, t=t, k=k, cfg=cfg, n_sel=n_sel, use_mask=use_mask, arith=kernel_arith(interpret),
+                               interpret=interpret, emit=emit, rows_out=rows)
     args = (x,) + (() if cfg.fused_amax else (gx,)) + ((mask,) if use_mask else ())
     return pl.pallas_call(
         kernel,
         out_shape=out_shape,
-        grid=(pl.cdiv(t, cfg.block_rows), cfg.parts),
+        grid=(pl.cdiv(rows, cfg.block_rows), cfg.parts),
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
         name="nvfp4_quantize_activations",
@@ -305,6 +335,37 @@ def quantize_activations_rac(x, *, rac_ratio: float = 0.0, rac_mode: str = "toke
     xq = _tensor(outs[0], outs[1], gx, (t, k))
     rq = _tensor(outs[2], outs[3], rac.residual_global_scale(gx), (t, k)) if len(outs) == 4 else None
     return xq, rq
+
+
+def quantize_operand(x, *, rac_ratio: float = 0.0, order=("plain", 16), rows: int | None = None, backend=None,
+                     config: QuantConfig | None = None):
+    """x [T, K] -> (a, gx): the FP16 token operand of the NVFP4 GEMMs straight from BF16
+    activations, per-token scales and RAC's per-token selection, in one kernel.
+
+    ``a`` [rows, K] (rows >= T, default T; the extra rows are zero) holds the block values
+    of q(x), or with ``rac_ratio > 0`` RAC's compensated ``dq(q(x)) + dq(q(r_sel))`` over gx
+    (``rac.compensated_values``: summed in float32, rounded once to FP16), each channel in
+    the column ``tile_math.operand_columns`` gives for ``order``; gx [T, 1] the global
+    scales. The same numbers as quantizing with ``quantize_rows`` and converting there, without
+    writing codes and reading them back (the GEMMs' operand reorder kernel)."""
+    _check_x(x)
+    rac.check_rac(rac_ratio, "token")
+    t, k = x.shape
+    rows = t if rows is None else rows
+    if rows < t:
+        raise ValueError(f"rows={rows}: expected at least T={t}")
+    cols = operand_columns(np.arange(k), order)  # also checks order
+    if _backend.resolve(backend) == "xla":
+        xq, rq = quantize_activations_rac(x, rac_ratio=rac_ratio, act_scale="token", backend="xla")
+        a = rac.token_operand(xq, rq)[:, np.argsort(cols)]
+        return jnp.pad(a, ((0, rows - t), (0, 0))), xq.global_scale
+    cfg = dataclasses.replace(config or quant_config(t, k), fused_amax=True)
+    cfg.check(k)
+    interpret = _backend.interpret_mode()
+    xin = jnp.pad(x, ((0, rows - t), (0, 0))) if interpret else x  # interpret mode clamps out-of-range loads
+    a, gx = _quant_call(xin, None, None, n_sel=rac.num_selected(rac_ratio, k // 16), use_mask=False, cfg=cfg, interpret=interpret,
+                        emit=tuple(order), rows_out=rows)
+    return a, gx[:t]
 
 
 def quantize_activations(x, *, act_scale: str = "tensor", backend=None, config: QuantConfig | None = None) -> nvfp4.NVFP4Tensor:

@@ -66,6 +66,12 @@ def compensated_values(xq: nvfp4.NVFP4Tensor, rq: nvfp4.NVFP4Tensor, values=nvfp
     return (a + r * RESIDUAL_SCALE_FACTOR).astype(jnp.float16)
 
 
+def token_operand(xq: nvfp4.NVFP4Tensor, rq: nvfp4.NVFP4Tensor | None):
+    """The FP16 token operand of the GEMMs (times gx it is the activation side): the block
+    values of ``xq`` (exact in FP16), or RAC's ``compensated_values`` with a residual."""
+    return nvfp4.block_values(xq, jnp.float16) if rq is None else compensated_values(xq, rq)
+
+
 def num_selected(rac_ratio: float, count: int) -> int:
     return min(count, max(0, math.ceil(rac_ratio * count - 1e-9)))
 

@@ -450,3 +450,73 @@ def test_weights_sharing_an_input_one_launch_equal_separate_products(rng, kw):
         assert not np.asarray(g)[17:].any()
     with pytest.raises(ValueError, match="expert count"):
         pk.nvfp4_grouped_matmul(x, [wg[0], nvfp4.quantize(jnp.ones((3, 8, 128)), keep_axes=(0,))], sizes, backend="pallas")
+
+
+def test_operand_columns_invert_the_gemms_channel_orders(rng):
+    from pallas_kernels.nvfp4_matmul_mgpu import to_fragment_order
+    from pallas_kernels.tile_math import operand_columns, to_word_parts_order
+
+    v = rng.standard_normal((3, 1024)).astype(np.float32)
+    for order, want in ((("plain", 16), v), (("words", 128), to_word_parts_order(jnp.asarray(v), 128)),
+                        (("words", 256), to_word_parts_order(jnp.asarray(v), 256)), (("fragment", 256), to_fragment_order(jnp.asarray(v)))):
+        cols = np.asarray(operand_columns(np.arange(1024), order))
+        out = np.full_like(v, np.nan)
+        out[:, cols] = v  # channel ch goes to column cols[ch]
+        np.testing.assert_array_equal(out, np.asarray(want), err_msg=str(order))
+    with pytest.raises(ValueError, match="order"):
+        operand_columns(np.arange(16), ("rows", 16))
+
+
+@pytest.mark.parametrize("rho", [0.0, 0.5])
+def test_quantizer_writes_the_gemm_operand_bit_identical(rng, rho):
+    """``quantize_operand``: the FP16 token operand (block values, or RAC's FP16 sum) in each
+    GEMM's channel order and padded rows, straight from the kernel: the XLA reference's bits,
+    which are ``rac.token_operand`` of the quantized rows, reordered."""
+    from pallas_kernels.quantize_activations import quantize_operand
+    from pallas_kernels.tile_math import operand_columns
+
+    x = jnp.asarray(heavy(rng, (13, 512))).astype(jnp.bfloat16).at[5].set(0.0)
+    xq, rq = pk.quantize_activations_rac(x, rac_ratio=rho, act_scale="token", backend="xla")
+    plain = np.asarray(rac.token_operand(xq, rq if rho else None)).view(np.uint16)
+    for order, rows, cfg in ((("plain", 16), 13, None), (("words", 128), 13, pk.QuantConfig(chunk=128, parts=2)),
+                             (("fragment", 256), 16, pk.QuantConfig(chunk=64, parts=4))):
+        a, ga = quantize_operand(x, rac_ratio=rho, order=order, rows=rows, backend="xla")
+        b, gb = quantize_operand(x, rac_ratio=rho, order=order, rows=rows, backend="pallas", config=cfg)
+        assert b.dtype == jnp.float16 and b.shape == (rows, 512) and gb.shape == (13, 1)
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16), err_msg=str(order))
+        np.testing.assert_array_equal(np.asarray(ga), np.asarray(gb))
+        np.testing.assert_array_equal(np.asarray(b)[:, np.asarray(operand_columns(np.arange(512), order))][:13].view(np.uint16), plain)
+        assert not np.asarray(b)[13:].any()  # the padded rows are zero
+    with pytest.raises(ValueError, match="rows=12"):
+        quantize_operand(x, rows=12, backend="pallas")
+
+
+@pytest.mark.parametrize("t", [1, 19])
+@pytest.mark.parametrize("rho", [0.0, 0.5])
+def test_gemm_operand_from_the_quantizer_equals_the_codes_path(rng, monkeypatch, t, rho):
+    """With BF16 activations, per-token scales and the FP16 RAC sum, the GEMM takes its token
+    operand from the quantizer (fused path, words or prmt decode; Mosaic GPU path): the same
+    output bits as the operand decoded from codes by XLA, and the XLA backend's numbers."""
+    import dataclasses
+    import importlib
+
+    NM = importlib.import_module("pallas_kernels.nvfp4_matmul")  # the package exports a function of that name
+    x = jnp.asarray(heavy(rng, (t, 512))).astype(jnp.bfloat16)
+    w = [nvfp4.quantize(jnp.asarray(rng.standard_normal((n, 512)).astype(np.float32))) for n in (128, 64)]
+    base = pk.gemm_config(t, 192, 512)
+    ref = pk.nvfp4_matmul(x, w, rac_ratio=rho, act_scale="token", backend="xla", out_dtype=jnp.float32)
+    for cfg in (base, dataclasses.replace(base, decode="prmt"), dataclasses.replace(base, path="mgpu")):
+        assert NM.operand_order(x, cfg, mode="w4a4", rac_ratio=rho, rac_mode="token", rac_sum="fp16", act_scale="token") is not None
+        call = lambda: pk.nvfp4_matmul(x, w, rac_ratio=rho, act_scale="token", backend="pallas", config=cfg, out_dtype=jnp.float32)
+        got = call()
+        monkeypatch.setattr(NM, "OPERAND_FROM_QUANTIZER", False)
+        codes_path = call()
+        monkeypatch.setattr(NM, "OPERAND_FROM_QUANTIZER", True)
+        for g, c, r in zip(got, codes_path, ref):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(c), err_msg=f"{cfg}")
+            assert rel(g, r) < 1e-5
+    # where the GEMM needs codes or rows quantized beforehand, the quantizer writes codes
+    rows = pk.quantize_rows(x, rac_ratio=rho, backend="pallas")
+    assert NM.operand_order(rows, base, mode="w4a4", rac_ratio=rho, rac_mode="token", rac_sum="fp16", act_scale="token") is None
+    assert NM.operand_order(x, base, mode="w4a4", rac_ratio=0.5, rac_mode="token", rac_sum="exact", act_scale="token") is None
+    assert NM.operand_order(x, base, mode="w4a4", rac_ratio=rho, rac_mode="token", rac_sum="fp16", act_scale="tensor") is None

@@ -51,8 +51,12 @@ def linears(x, mods, prec: P.Precision, dtype):
 
 
 def shared_input(x, first: Linear, prec: P.Precision):
-    """x for several linears of the same kind (q/k/v, gate/up): under an NVFP4 W4A4 rollout
-    recipe, quantized once ([T, K] QuantizedRows), otherwise x itself."""
+    """x for several linears of the same kind (q/k/v, gate/up). Their NVFP4 GEMMs run in one
+    launch (``P.FUSE_SHARED_INPUT``), which quantizes x once itself (at decode sizes the
+    quantizer writes the GEMM's token operand directly): x itself. Launched one by one under
+    an NVFP4 W4A4 rollout recipe, x quantized once here ([T, K] QuantizedRows)."""
+    if P.FUSE_SHARED_INPUT:
+        return x
     xin = P.quantize_rows_for(x.reshape(-1, x.shape[-1]), value(first.w), prec.mode(first.kind), rac_ratio=prec.rac_ratio,
                               backend=prec.backend)
     return xin if isinstance(xin, pk.QuantizedRows) else x
