@@ -17,6 +17,9 @@
 #                 kernel): tok/s and each path's agreement with the first (tokens, logprobs)
 #   quant         the activation quantizer's configs (chunk, warps, RAC selection), bit-checked against XLA (#8)
 #   mgpu_op       the whole nvfp4_matmul op, path mgpu vs fused vs the dots (MGPU_OP_ARGS) (#8)
+#   op_ab         the whole op on both paths, each as it is now (the quantizer writes the GEMM's FP16
+#                 operand, rows split over programs), with the quantizer writing codes ("_codes"),
+#                 and as run 15 measured it ("_run15"), at the three decode shapes (OP_AB_ARGS) (#8)
 #   mgpu_sweep    the Mosaic GPU kernel's configs (a ws probe first, in its own process) (MGPU_SWEEP_ARGS) (#8)
 #   ncu           Nsight Compute on the NVFP4 kernels at decode shapes (benchmarks/ncu_probe.py):
 #                 registers, occupancy, DRAM throughput, warp stalls, and their SASS (#8)
@@ -29,7 +32,7 @@ o="${OUT:-runs/gpu}"
 mkdir -p "$o"
 export PYTHONUNBUFFERED=1 PYTHONPATH=.:/tmp/site:${PYTHONPATH:-} TRITON_HOME=/tmp/triton_home TRITON_CACHE_DIR=/tmp/triton_cache
 mkdir -p "$TRITON_HOME" "$TRITON_CACHE_DIR"
-ALL="triton_smoke fused_check rollout rollout_words rollout_paths quant mgpu_op mgpu_sweep ncu decode grouped sass prefill triton swap tiles train"
+ALL="op_ab quant triton_smoke fused_check rollout rollout_words rollout_paths mgpu_op mgpu_sweep ncu decode grouped sass prefill triton swap tiles train"
 STAGES="${STAGES:-$ALL}"  # run in the order given
 RECIPES="${RECIPES:-quads,fp8,nvfp4,bf16}"
 DEADLINE="${DEADLINE:-575}"  # seconds from the start: no stage runs past it, so every log gets saved
@@ -66,6 +69,8 @@ run_stage() {
     rollout_paths) stage "${ROLLOUT_CAP:-250}" rollout_paths python3 benchmarks/bench_model.py --skip-train --out "$o/rollout_paths" \
                --prompts "${PROMPTS:-256}" --new-tokens 512 --decode-batch 64 --recipes "$RECIPES" --backends "${BACKENDS:-pallas}" --paths fused,mgpu ;;
     quant) stage "${QUANT_CAP:-200}" quant python3 $BK --out "$o/quant" --only quant ;;
+    op_ab) stage "${OP_AB_CAP:-240}" op_ab python3 benchmarks/mgpu_check.py --out "$o/op_ab" --op --variants \
+               --budget $(( ${OP_AB_CAP:-240} - 25 )) ${OP_AB_ARGS:---shapes 4096:14336,2048:768,2048:6144 --ts 16,64,1} ;;
     mgpu_op) stage "${MGPU_OP_CAP:-160}" mgpu_op python3 benchmarks/mgpu_check.py --out "$o/mgpu_op" --op --budget $(( ${MGPU_OP_CAP:-160} - 25 )) ${MGPU_OP_ARGS:-} ;;
     mgpu_sweep)
       timeout 60 python3 benchmarks/mgpu_check.py --out /tmp/probe --probe ws > "$o/mgpu_probe.log" 2>&1

@@ -39,6 +39,7 @@ def main():
     ap.add_argument("--pipelines", default="plain", help="comma list of MgpuConfig.pipeline values to sweep")
     ap.add_argument("--probe", default=None, help="run one small config of this pipeline, check it, exit (0: correct)")
     ap.add_argument("--op", action="store_true", help="time the whole nvfp4_matmul op (path mgpu vs fused) and the dots, then exit")
+    ap.add_argument("--variants", action="store_true", help="with --op: also the op with the quantizer writing codes, and as run 15 had it")
     ap.add_argument("--shapes", default=None, help="K:N,K:N (default: the three decode shapes)")
     ap.add_argument("--budget", type=float, default=400.0, help="seconds; later shapes are skipped past it")
     ap.add_argument("--frags", default="1,2,4", help="sweep: MgpuConfig.frags values")
@@ -188,6 +189,30 @@ def main():
     print("done in", round(time.time() - t0), "s")
 
 
+# --variants: beside the default op (the quantizer writes the GEMM's FP16 operand, rows split
+# over programs), "_codes" (the quantizer writes codes, XLA builds the operand) and "_run15"
+# (codes, one quantizer program a row: the op as run 15 measured it)
+OP_VARIANTS = ("", "_codes", "_run15")
+
+
+def OneRow(k):
+    from pallas_kernels import QuantConfig
+
+    return QuantConfig(chunk=min(1024, k), num_warps=8 if k >= 1024 else 4, parts=1)
+
+
+def with_operand_flag(on, fn):
+    """fn() traced with ``nvfp4_matmul.OPERAND_FROM_QUANTIZER`` set to ``on``."""
+    import importlib
+
+    NM = importlib.import_module("pallas_kernels.nvfp4_matmul")
+    old, NM.OPERAND_FROM_QUANTIZER = NM.OPERAND_FROM_QUANTIZER, on
+    try:
+        return fn()
+    finally:
+        NM.OPERAND_FROM_QUANTIZER = old
+
+
 def op_rows(args, res, save, shapes, measure, attempt, t0):
     """The user-facing op: nvfp4_matmul from BF16 x (activation quantizer, RAC, GEMM, epilogue)
     with path="mgpu" against path="fused" (Triton), each checked against the XLA backend,
@@ -218,10 +243,13 @@ def op_rows(args, res, save, shapes, measure, attempt, t0):
             r["fp8_dot_us"] = attempt(f"fp8_{t}_{k}_{n}", lambda: measure(lambda a, w: fp8_matmul(a, w), x, w8))
             for rho in (0.0, 0.5):
                 ref = nvfp4_matmul(x, w4p, rac_ratio=rho, act_scale="token", backend="xla").astype(jnp.float32)
-                for path in ("mgpu", "fused"):
+                for path, variant in itertools.product(("mgpu", "fused"), OP_VARIANTS if args.variants else ("",)):
                     cfg = dataclasses.replace(gemm_config(t, n, k), path=path)
-                    f = lambda a, w: nvfp4_matmul(a, w, rac_ratio=rho, act_scale="token", backend="pallas", config=cfg)
-                    key = f"{path}_rho{rho}"
+                    quant = OneRow(k) if variant == "_run15" else None
+                    # the flag is read when f is traced: jax.jit(f) below and measure's own jit
+                    f = lambda a, w, cfg=cfg, quant=quant, on=variant == "": with_operand_flag(on, lambda: nvfp4_matmul(
+                        a, w, rac_ratio=rho, act_scale="token", backend="pallas", config=cfg, quant_config=quant))
+                    key = f"{path}_rho{rho}{variant}"
                     got = attempt(f"op_{key}_{t}_{k}_{n}", lambda: jax.jit(f)(x, w4p))
                     if got is None:
                         continue

@@ -188,14 +188,17 @@ def quant_main(a, captured, tmp):
             row["error"] = err
         else:
             row.update(registers=regs, stack_bytes=stack, instructions=len(ops), spill_ops=ops.count("LDL") + ops.count("STL"),
-                       opcodes=dict(collections.Counter(ops).most_common(8)))
+                       barriers=ops.count("BAR"), shuffles=ops.count("SHFL"), opcodes=dict(collections.Counter(ops).most_common(8)))
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k not in ("config", "opcodes")}), flush=True)
     if a.out:
         os.makedirs(a.out, exist_ok=True)
         json.dump(rows, open(os.path.join(a.out, "sass_offline_quant.json"), "w"), indent=1)
-        lines = ["| kernel | registers | instructions (whole kernel) | spill ops |", "|---|---|---|---|"]
-        lines += [f"| {r['kernel']} | {r.get('registers')} | {r.get('instructions')} | {r.get('spill_ops')} |" for r in rows]
+        lines = ["| kernel | registers | instructions a thread (whole kernel) | warp instructions a scheduler | barriers | shuffles | spill ops |",
+                 "|---|---|---|---|---|---|---|"]
+        lines += [f"| {r['kernel']} | {r.get('registers')} | {r.get('instructions')} | "
+                  f"{r['instructions'] * max(1, r['config']['num_warps'] // 4) if r.get('instructions') else None} | "
+                  f"{r.get('barriers')} | {r.get('shuffles')} | {r.get('spill_ops')} |" for r in rows]
         open(os.path.join(a.out, "sass_offline_quant.md"), "w").write("\n".join(lines) + "\n")
 
 

@@ -11,11 +11,13 @@ from pallas_kernels.nvfp4_decode import DecodeConfig, nvfp4_block_values, nvfp4_
 from pallas_kernels.nvfp4_grouped_matmul import nvfp4_grouped_matmul, nvfp4_grouped_matmul_xla
 from pallas_kernels.nvfp4_matmul import GemmConfig, gemm_config, nvfp4_matmul, nvfp4_matmul_xla
 from pallas_kernels.rac import RAC_MODES, RAC_SUMS
-from pallas_kernels.quantize_activations import QuantConfig, QuantizedRows, quantize_activations, quantize_activations_rac, quantize_rows
+from pallas_kernels.quantize_activations import (QuantConfig, QuantizedRows, quantize_activations, quantize_activations_rac,
+                                                 quantize_operand, quantize_rows)
 
 __all__ = [
     "BACKENDS", "get_backend", "set_backend", "use_backend",
     "QuantConfig", "quantize_activations", "quantize_activations_rac", "QuantizedRows", "quantize_rows",
+    "quantize_operand",
     "nvfp4_matmul", "nvfp4_matmul_xla", "nvfp4_grouped_matmul", "nvfp4_grouped_matmul_xla",
     "fp8_matmul", "fp8_grouped_matmul", "GemmConfig", "gemm_config",
     "nvfp4_block_values", "nvfp4_block_values_xla", "DecodeConfig", "RAC_MODES", "RAC_SUMS",

@@ -141,10 +141,13 @@ def _top_blocks(own, energies, n_sel, rows, select="auto"):
     if select == "rank" or (select == "auto" and sum(e.shape[1] for e in ebits) <= RANK_MAX_BLOCKS):
         out = []
         for ei in obits:
-            larger = jnp.zeros(ei.shape, jnp.int32)
+            # the comparisons of equal-width chunks add up elementwise, in registers, and are
+            # reduced once (one cross-thread sum, not one per chunk)
+            wide = {}
             for ej in ebits:
-                larger += jnp.sum((ej[:, None, :] > ei[:, :, None]).astype(jnp.int32), axis=2)
-            out.append(larger < n_sel)
+                cmp = (ej[:, None, :] > ei[:, :, None]).astype(jnp.int32)
+                wide[ej.shape[1]] = cmp if ej.shape[1] not in wide else wide[ej.shape[1]] + cmp
+            out.append(sum(jnp.sum(v, axis=2) for v in wide.values()) < n_sel)
         return out
 
     def count_ge(th):
@@ -165,39 +168,49 @@ def _top_blocks(own, energies, n_sel, rows, select="auto"):
     return [eb >= tau for eb in obits]
 
 
+def _quantize_pair(ve, vo, g, arith):
+    """The even and odd channels of blocks ([rows, nb, 8] float32 each) with global scale g
+    [rows, 1] -> (their E2M1 values, the block scales [rows, nb, 1]). The block math runs on
+    keepdims shapes, in the layout of the values: compiled, the per-block amax, scale and
+    reciprocal then need no layout conversion through shared memory (offline SASS: 78 -> 6
+    barriers for T=16, K=4096, RAC 0.5; benchmarks/results/2026-12-05-offline-sass-quant)."""
+    amax = jnp.maximum(jnp.abs(ve).max(-1, keepdims=True), jnp.abs(vo).max(-1, keepdims=True))  # [rows, nb, 1]
+    g3 = g[:, :, None]
+    qe, s = nvfp4.quantize_blocks(ve[:, :, None, :], amax, g3, arith=arith)  # blocks of one: axis 2
+    qo, _ = nvfp4.quantize_blocks(vo[:, :, None, :], amax, g3, arith=arith)
+    return qe[:, :, 0, :], qo[:, :, 0, :], s
+
+
 def _quantize_chunk(xe, xo, gx, rows, c, arith):
-    """One chunk's even and odd channels -> (E2M1 values of each, block scales, the chunk's
-    float32 channels of each), blocks on axis 1."""
+    """One chunk's even and odd channels -> (E2M1 values of each, block scales [rows, nb, 1],
+    the chunk's float32 channels of each), blocks on axis 1."""
     xe = _split_blocks(xe.astype(jnp.float32), rows, c)
     xo = _split_blocks(xo.astype(jnp.float32), rows, c)
-    amax = jnp.maximum(jnp.abs(xe).max(-1), jnp.abs(xo).max(-1))
-    qe, s = nvfp4.quantize_blocks(xe, amax, gx, arith=arith)
-    qo, _ = nvfp4.quantize_blocks(xo, amax, gx, arith=arith)
-    return qe, qo, s, xe, xo
+    return (*_quantize_pair(xe, xo, gx, arith), xe, xo)
 
 
 def _residual(quantized, gx, arith):
     """A quantized chunk -> its residual's even and odd channels and block energies."""
-    qe, qo, s, xe, xo = quantized
-    s3, g3 = s[:, :, None], gx[:, :, None]
+    qe, qo, s3, xe, xo = quantized
+    g3 = gx[:, :, None]
     re = xe - arith.mul(qe * s3, g3)
     ro = xo - arith.mul(qo * s3, g3)
     return re, ro, jnp.sum(re * re, -1) + jnp.sum(ro * ro, -1)
 
 
 def _store_codes(c_ref, s_ref, row_sl, row_ok, at, j, quantized, rows, c):
-    qe, qo, s = quantized[:3]
+    qe, qo, s3 = quantized[:3]
     plgpu.store(c_ref.at[row_sl, pl.ds(at(j, 2), c // 2)], _encode_pair(qe, qo, rows, c).astype(jnp.uint8), mask=row_ok)
-    plgpu.store(s_ref.at[row_sl, pl.ds(at(j, 16), c // 16)], nvfp4.encode_e4m3_bits(s).astype(jnp.uint8), mask=row_ok)
+    plgpu.store(s_ref.at[row_sl, pl.ds(at(j, 16), c // 16)], nvfp4.encode_e4m3_bits(s3[:, :, 0]).astype(jnp.uint8), mask=row_ok)
 
 
 def _store_operand(a_ref, rows_idx, rows_ok, start, quantized, residual, rows, c, order):
     """The chunk's FP16 token operand (``rac.compensated_values``, or the block values without
     a residual: the same float32 sum, rounded once), scattered to its columns in ``order``."""
     for par in (0, 1):  # even, odd channels
-        v = quantized[par] * quantized[2][:, :, None]  # E2M1 value x block scale: exact
+        v = quantized[par] * quantized[2]  # E2M1 value x block scale: exact
         if residual is not None:
-            v = v + residual[par] * residual[2][:, :, None] * rac.RESIDUAL_SCALE_FACTOR
+            v = v + residual[par] * residual[2] * rac.RESIDUAL_SCALE_FACTOR
         cols = operand_columns(start + par + 2 * jnp.arange(c // 2, dtype=jnp.int32), order)[None, :]
         plgpu.store(a_ref.at[rows_idx, cols], v.reshape(rows, c // 2).astype(jnp.float16), mask=rows_ok)
 
@@ -245,12 +258,7 @@ def _quant_kernel(*refs, t, k, cfg, n_sel, use_mask, arith, interpret, emit=None
                 mo = _split_blocks(mo, bm, c) != 0
             else:
                 me = mo = selected[j][:, :, None]
-            re = jnp.where(me, re, 0.0)
-            ro = jnp.where(mo, ro, 0.0)
-            amax = jnp.maximum(jnp.abs(re).max(-1), jnp.abs(ro).max(-1))
-            qe, s = nvfp4.quantize_blocks(re, amax, gr, arith=arith)
-            qo, _ = nvfp4.quantize_blocks(ro, amax, gr, arith=arith)
-            second[j] = (qe, qo, s)
+            second[j] = _quantize_pair(jnp.where(me, re, 0.0), jnp.where(mo, ro, 0.0), gr, arith)
     for j, (q, r) in enumerate(zip(owned, second)):
         if emit:  # every row of the (padded) operand is written; rows from T on are zero
             rows_idx = (i * bm + jnp.arange(bm))[:, None]
