@@ -235,7 +235,7 @@ def _quant_kernel(*refs, t, k, cfg, n_sel, use_mask, arith, interpret, emit=None
     # never a division: see gemm_tile_loop); with parts > 1 the whole row is loaded too, for
     # the amax and the residual energies, and kept in registers (K / (32 num_warps) a thread)
     at = lambda j, unit=1: p * (own // unit) + j * (c // unit)
-    whole = cfg.parts > 1 and (cfg.fused_amax or n_sel > 0)
+    whole = cfg.parts > 1 and (cfg.fused_amax or (n_sel > 0 and not use_mask))
     row = [load(j * c) for j in range(k // c)] if whole else None
     chunks = [load(at(j)) for j in range(own // c)]
     if cfg.fused_amax:
