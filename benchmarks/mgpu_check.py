@@ -195,12 +195,6 @@ def main():
 OP_VARIANTS = ("", "_codes", "_run15")
 
 
-def OneRow(k):
-    from pallas_kernels import QuantConfig
-
-    return QuantConfig(chunk=min(1024, k), num_warps=8 if k >= 1024 else 4, parts=1)
-
-
 def with_operand_flag(on, fn):
     """fn() traced with ``nvfp4_matmul.OPERAND_FROM_QUANTIZER`` set to ``on``."""
     import importlib
@@ -224,6 +218,7 @@ def op_rows(args, res, save, shapes, measure, attempt, t0):
 
     from pallas_kernels import fp8_matmul, nvfp4_matmul
     from quads_jax import fp8
+    from pallas_kernels.quantize_activations import quant_config
     from quads_jax.precision import prepare_weight
     from quads_jax.tiling import gemm_config
 
@@ -245,7 +240,7 @@ def op_rows(args, res, save, shapes, measure, attempt, t0):
                 ref = nvfp4_matmul(x, w4p, rac_ratio=rho, act_scale="token", backend="xla").astype(jnp.float32)
                 for path, variant in itertools.product(("mgpu", "fused"), OP_VARIANTS if args.variants else ("",)):
                     cfg = dataclasses.replace(gemm_config(t, n, k), path=path)
-                    quant = OneRow(k) if variant == "_run15" else None
+                    quant = quant_config(t, k, split=False) if variant == "_run15" else None
                     # the flag is read when f is traced: jax.jit(f) below and measure's own jit
                     f = lambda a, w, cfg=cfg, quant=quant, on=variant == "": with_operand_flag(on, lambda: nvfp4_matmul(
                         a, w, rac_ratio=rho, act_scale="token", backend="pallas", config=cfg, quant_config=quant))

@@ -152,7 +152,7 @@ def quant_cases(shapes=((16, 4096), (64, 4096), (16, 2048), (1, 4096))):
         for rho in (0.0, 0.5):
             n_sel = QA.rac.num_selected(rho, k // 16)
             default = QA.quant_config(t, k)
-            one_row = QA.QuantConfig(chunk=min(1024, k), num_warps=8 if k >= 1024 else 4, parts=1)
+            one_row = QA.quant_config(t, k, split=False)
             for cfg, emit in ((default, None), (default, ("words", 256)), (default, ("fragment", 256)), (one_row, None)):
                 rows = -(-t // 8) * 8 if emit else None
                 fn = lambda cfg=cfg, n_sel=n_sel, x=x, emit=emit, rows=rows: jax.jit(

@@ -399,9 +399,8 @@ def nvfp4_product(xq, rq, w, *, out_dtype=jnp.bfloat16, interpret=False, config:
     from pallas_kernels import rac
 
     a = rac.token_operand(xq, rq)
-    t = a.shape[0]
-    a16 = to_fragment_order(jnp.pad(a, ((0, padded_tokens(t) - t), (0, 0))))
-    return fragment_product(a16, w, t, gx=xq.global_scale, out_dtype=out_dtype, interpret=interpret, config=config)
+    return fragment_product(fragment_operand(a), w, a.shape[0], gx=xq.global_scale, out_dtype=out_dtype, interpret=interpret,
+                            config=config)
 
 
 def fragment_product(a16, w, t: int, *, gx, out_dtype=jnp.bfloat16, interpret=False, config: MgpuConfig | None = None):
@@ -423,14 +422,19 @@ def nvfp4_decode_gemm(a, w, *, gx=None, config: MgpuConfig | None = None, out_dt
     Returns gw * gx * (a @ Wq.T) [T, N] in ``out_dtype``."""
     if a.dtype != jnp.float16:
         raise ValueError(f"a: expected the float16 token operand, got {a.dtype}")
-    t = a.shape[0]
-    a16 = to_fragment_order(jnp.pad(a, ((0, padded_tokens(t) - t), (0, 0))))
-    return fragment_gemm(a16, w, t, gx=gx, config=config, out_dtype=out_dtype)
+    return fragment_gemm(fragment_operand(a), w, a.shape[0], gx=gx, config=config, out_dtype=out_dtype)
 
 
 def padded_tokens(t: int) -> int:
     """The token operand's rows: T padded to wgmma's N granularity (8)."""
     return -(-t // 8) * 8
+
+
+def fragment_operand(a):
+    """Token operand [T, K] -> the kernel's: rows padded to ``padded_tokens(T)`` with zeros,
+    channels in ``to_fragment_order``."""
+    t = a.shape[0]
+    return to_fragment_order(jnp.pad(a, ((0, padded_tokens(t) - t), (0, 0))))
 
 
 def fragment_gemm(a16, w, t: int, *, gx=None, config: MgpuConfig | None = None, out_dtype=jnp.bfloat16):

@@ -81,20 +81,22 @@ SELECTS = ("auto", "rank", "bisect")
 MIN_PART = 256  # channels a program owns at the least (one 16-block of RAC selection work a warp)
 
 
-def quant_config(t: int, k: int, num_sms: int = 132) -> QuantConfig:
+def quant_config(t: int, k: int, num_sms: int = 132, split: bool = True) -> QuantConfig:
     """Decode sizes (few tokens) split each row over ``parts`` programs until about one wave
-    runs (T=16: 8 parts, T=64: 2); prefill sizes take one program per row (or two rows)."""
+    runs (T=16: 8 parts, T=64: 2); prefill sizes take one program per row (or two rows).
+    ``split=False``: one program per row at any size (the layout before the split, which the
+    benchmarks keep as a baseline)."""
     block_rows = 1 if t < 1024 else 2
     programs = -(-t // block_rows)
     parts = 1
-    while programs * parts * 2 <= num_sms and k % (parts * 2 * MIN_PART) == 0:
+    while split and programs * parts * 2 <= num_sms and k % (parts * 2 * MIN_PART) == 0:
         parts *= 2
     chunk = 1024
     while (k // parts) % chunk:
         chunk //= 2
     # 8 warps from 512-channel chunks (a parity half of 256 values: one a thread); offline SASS
     # of T=16, K=4096, RAC 0.5 (benchmarks/results/2026-12-05-offline-sass-quant): 8 parts of
-    # 512-channel chunks on 8 warps issue 3872 warp instructions per scheduler, one program a
+    # 512-channel chunks on 8 warps issue 3568 warp instructions per scheduler, one program a
     # row 7216 (each program issues fewer; the rows' other channels are loaded, not stored)
     return QuantConfig(block_rows=block_rows, chunk=chunk, num_warps=8 if chunk >= 512 else 4, parts=parts)
 
@@ -248,8 +250,12 @@ def _quant_kernel(*refs, t, k, cfg, n_sel, use_mask, arith, interpret, emit=None
     if rac_on:
         residuals = [_residual(q, gx, arith) for q in owned]
         if not use_mask:
-            energies = [_residual(_quantize_chunk(xe, xo, gx, bm, c, arith), gx, arith)[-1] for xe, xo in row] if row else None
-            selected = _top_blocks([e for _, _, e in residuals], energies or [e for _, _, e in residuals], n_sel, bm, cfg.select)
+            own_energy = [e for _, _, e in residuals]
+            # with parts > 1 the row's energies come from its whole, quantized once more here
+            # (the owned chunks' share again: their index is the program's, not a constant)
+            row_energy = own_energy if row is None else [_residual(_quantize_chunk(xe, xo, gx, bm, c, arith), gx, arith)[-1]
+                                                        for xe, xo in row]
+            selected = _top_blocks(own_energy, row_energy, n_sel, bm, cfg.select)
         gr = gx * rac.RESIDUAL_SCALE_FACTOR
         for j, (re, ro, _) in enumerate(residuals):
             if use_mask:
