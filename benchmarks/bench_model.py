@@ -110,7 +110,7 @@ def rollout(cfg, params, prompts, new_tokens, batch, recipes, out_dir, backends=
     """Output tok/s of each recipe and backend; ``paths`` (tiling.DECODE_PATH: "fused", "mgpu")
     runs the Pallas backend once per decode-GEMM path, and each path's first batch is compared
     with the first path's (the same seeds)."""
-    from pallas_kernels import use_backend
+    from quads_jax import precision as P
     from quads_jax import tiling
     from rollout.engine import Engine, Request
 
@@ -126,13 +126,12 @@ def rollout(cfg, params, prompts, new_tokens, batch, recipes, out_dir, backends=
             key = f"{recipe}/{backend}" + ("" if path == "fused" else f"/{path}")
             tiling.DECODE_PATH = path
             try:
-                with use_backend(backend):
-                    eng = Engine(cfg, recipe=recipe, max_batch=batch, max_len=64 + new_tokens)
-                    eng.load(params)
-                    warm = eng.generate(reqs[:batch])  # compile + warm
-                    t0 = time.perf_counter()
-                    res = eng.generate(reqs)
-                    dt = time.perf_counter() - t0
+                eng = Engine(cfg, recipe=P.rollout_recipe(recipe, backend=backend), max_batch=batch, max_len=64 + new_tokens)
+                eng.load(params)
+                warm = eng.generate(reqs[:batch])  # compile + warm
+                t0 = time.perf_counter()
+                res = eng.generate(reqs)
+                dt = time.perf_counter() - t0
                 out[key] = {"output_tokens_per_s": sum(len(r.output_ids) for r in res) / dt, "wall_s": dt,
                             "decode_burst": eng.decode_burst}
                 if first:

@@ -1,11 +1,16 @@
 """Pallas GPU kernels for NVFP4 rollouts, each with an XLA reference of the same signature.
 
-    from pallas_kernels import nvfp4_matmul, use_backend
-    y = nvfp4_matmul(x, w_nvfp4, rac_ratio=0.5)            # process default backend
+    from pallas_kernels import nvfp4_matmul
+    y = nvfp4_matmul(x, w_nvfp4, rac_ratio=0.5)            # backend "auto": pallas on a GPU, xla elsewhere
     y = nvfp4_matmul(x, w_nvfp4, rac_ratio=0.5, backend="xla")
+
+Which implementation runs is a value (``KernelConfig``, or an op's ``backend=`` / ``impl=``
+argument), never process state.
 """
 
-from pallas_kernels.backend import BACKENDS, get_backend, set_backend, use_backend
+from pallas_kernels.attention import attention_xla, causal_attention, causal_attention_xla
+from pallas_kernels.config import BACKENDS, KernelConfig
+from pallas_kernels.grouped_dot import grouped_dot, grouped_dot_xla
 from pallas_kernels.fp8_matmul import fp8_grouped_matmul, fp8_matmul
 from pallas_kernels.nvfp4_decode import DecodeConfig, nvfp4_block_values, nvfp4_block_values_xla
 from pallas_kernels.nvfp4_grouped_matmul import nvfp4_grouped_matmul, nvfp4_grouped_matmul_xla
@@ -15,7 +20,8 @@ from pallas_kernels.quantize_activations import (QuantConfig, QuantizedRows, qua
                                                  quantize_operand, quantize_rows)
 
 __all__ = [
-    "BACKENDS", "get_backend", "set_backend", "use_backend",
+    "BACKENDS", "KernelConfig", "grouped_dot", "grouped_dot_xla", "causal_attention", "causal_attention_xla",
+    "attention_xla",
     "QuantConfig", "quantize_activations", "quantize_activations_rac", "QuantizedRows", "quantize_rows",
     "quantize_operand",
     "nvfp4_matmul", "nvfp4_matmul_xla", "nvfp4_grouped_matmul", "nvfp4_grouped_matmul_xla",

@@ -24,7 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from quads_jax import nvfp4
-from pallas_kernels import backend as _backend
+from pallas_kernels.config import interpret_mode, resolve_backend
 from pallas_kernels.tile_math import decode_tile, pad_axis, store_even_odd
 
 
@@ -82,7 +82,7 @@ def nvfp4_block_values(t: nvfp4.NVFP4Tensor, *, dtype=jnp.bfloat16, backend=None
     global scale; bit-identical to ``nvfp4.block_values``."""
     if not isinstance(t, nvfp4.NVFP4Tensor):
         raise ValueError(f"t: expected an NVFP4Tensor, got {type(t).__name__}")
-    if _backend.resolve(backend) == "xla" or t.axis != t.ndim - 1:
+    if resolve_backend(backend) == "xla" or t.axis != t.ndim - 1:
         return nvfp4_block_values_xla(t, dtype=dtype)
     codes = nvfp4.code_bytes(t.codes)  # word codes (prepared weights) are read as bytes here
     kp = codes.shape[-1]
@@ -91,5 +91,5 @@ def nvfp4_block_values(t: nvfp4.NVFP4Tensor, *, dtype=jnp.bfloat16, backend=None
         raise ValueError(f"config: block_bytes={cfg.block_bytes} does not divide the {kp} packed bytes per row")
     codes = codes.reshape(-1, kp)
     bits = jax.lax.bitcast_convert_type(t.scales, jnp.uint8).reshape(-1, kp // 8)
-    v = _decode_call(codes, bits, cfg=cfg, interpret=_backend.interpret_mode())
+    v = _decode_call(codes, bits, cfg=cfg, interpret=interpret_mode())
     return v.reshape(t.shape).astype(dtype)

@@ -22,7 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from quads_jax import nvfp4
-from pallas_kernels import backend as _backend
+from pallas_kernels.config import interpret_mode, resolve_backend
 from pallas_kernels.tile_math import pad_axis
 from pallas_kernels.nvfp4_matmul import (
     GemmConfig,
@@ -164,7 +164,7 @@ def nvfp4_grouped_matmul(x, w, group_sizes, *, rac_ratio=0.0, rac_mode="token", 
     """Per-expert x_e @ W_e.T for rows sorted by expert; see the module docstring. ``w`` may be
     a sequence of expert weights with the same E and K (gate and up): one launch, a tuple of
     outputs. ``rac_sum`` as in ``nvfp4_matmul``."""
-    if _backend.resolve(backend) == "xla":
+    if resolve_backend(backend) == "xla":
         return nvfp4_grouped_matmul_xla(x, w, group_sizes, rac_ratio=rac_ratio, rac_mode=rac_mode, rac_sum=rac_sum,
                                         act_scale=act_scale, mode=mode, out_dtype=out_dtype)
     ws, many = as_weights(w)
@@ -187,5 +187,5 @@ def nvfp4_grouped_matmul(x, w, group_sizes, *, rac_ratio=0.0, rac_mode="token", 
     a, gx, r = activation_operands(x, xq, rq, cfg, rac_sum)
     outs = _grouped_call(a, gx, r, tuple(wi.codes for wi in ws), tuple(_bits(wi.scales) for wi in ws),
                          tuple(_per_expert_gw(wi) for wi in ws), group_sizes, cfg=cfg, out_dtype=out_dtype,
-                         interpret=_backend.interpret_mode())
+                         interpret=interpret_mode())
     return outs if many else outs[0]

@@ -47,7 +47,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from quads_jax import nvfp4
 from quads_jax.tiling import GemmConfig, gemm_config  # noqa: F401  (re-exported)
-from pallas_kernels import backend as _backend
+from pallas_kernels.config import interpret_mode, resolve_backend
 from pallas_kernels import nvfp4_matmul_mgpu as mgpu
 from pallas_kernels import rac
 from pallas_kernels.nvfp4_decode import nvfp4_block_values
@@ -415,7 +415,7 @@ def nvfp4_matmul(x, w, *, rac_ratio=0.0, rac_mode="token", rac_sum="fp16", act_s
     computes every product, and the result is the tuple of their outputs. ``backend`` None
     uses the process default; ``config`` and ``quant_config`` override the GEMM's and the
     activation quantizer's tuning (the GEMM's tiles are chosen for the summed N)."""
-    if _backend.resolve(backend) == "xla":
+    if resolve_backend(backend) == "xla":
         return nvfp4_matmul_xla(x, w, rac_ratio=rac_ratio, rac_mode=rac_mode, rac_sum=rac_sum, act_scale=act_scale, mode=mode,
                                 out_dtype=out_dtype)
     ws, many = as_weights(w)
@@ -427,7 +427,7 @@ def nvfp4_matmul(x, w, *, rac_ratio=0.0, rac_mode="token", rac_sum="fp16", act_s
     cfg = config or gemm_config(t, sum(wi.shape[0] for wi in ws), k, stacked=stacks_residual(mode, rac_ratio, rac_sum))
     if cfg.path == "mgpu" and not mgpu.eligible(t, tuple(wi.shape[0] for wi in ws), k, mode=mode, rac_ratio=rac_ratio, rac_sum=rac_sum):
         cfg = dataclasses.replace(cfg, path="fused")
-    interpret = _backend.interpret_mode()
+    interpret = interpret_mode()
     gw = tuple(jnp.reshape(jnp.asarray(wi.global_scale, jnp.float32), (1,)) for wi in ws)
     gemm = lambda a, gx, r: _gemm_call(a, gx, r, tuple(wi.codes for wi in ws), tuple(_bits(wi.scales) for wi in ws), gw, cfg=cfg,
                                        out_dtype=out_dtype, interpret=interpret)

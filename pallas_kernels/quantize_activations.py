@@ -34,7 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from quads_jax import nvfp4
-from pallas_kernels import backend as _backend
+from pallas_kernels.config import interpret_mode, resolve_backend
 from pallas_kernels import rac
 from pallas_kernels.tile_math import kernel_arith, load_even_odd, operand_columns
 
@@ -329,7 +329,7 @@ def quantize_activations_rac(x, *, rac_ratio: float = 0.0, rac_mode: str = "toke
     rac.check_rac(rac_ratio, rac_mode)
     t, k = x.shape
     n_sel = rac.num_selected(rac_ratio, k // 16)
-    if _backend.resolve(backend) == "xla":
+    if resolve_backend(backend) == "xla":
         gx = rac.activation_global_scale(x, act_scale)
         xq = nvfp4.quantize(x.astype(jnp.float32), global_scale=gx)
         rq = rac.quantize_residual(x, gx, rac_ratio, rac_mode) if rac_ratio > 0 else None
@@ -343,7 +343,7 @@ def quantize_activations_rac(x, *, rac_ratio: float = 0.0, rac_mode: str = "toke
     mask = None
     if use_mask:
         mask = rac.selection_mask(rac.residual(x, gx), rac_ratio, rac_mode).astype(jnp.int8)
-    outs = _quant_call(x, gx, mask, n_sel=n_sel if rac_ratio > 0 else 0, use_mask=use_mask, cfg=cfg, interpret=_backend.interpret_mode())
+    outs = _quant_call(x, gx, mask, n_sel=n_sel if rac_ratio > 0 else 0, use_mask=use_mask, cfg=cfg, interpret=interpret_mode())
     if cfg.fused_amax:
         *outs, gx = outs
     xq = _tensor(outs[0], outs[1], gx, (t, k))
@@ -369,13 +369,13 @@ def quantize_operand(x, *, rac_ratio: float = 0.0, order=("plain", 16), rows: in
     if rows < t:
         raise ValueError(f"rows={rows}: expected at least T={t}")
     cols = operand_columns(np.arange(k), order)  # also checks order
-    if _backend.resolve(backend) == "xla":
+    if resolve_backend(backend) == "xla":
         xq, rq = quantize_activations_rac(x, rac_ratio=rac_ratio, act_scale="token", backend="xla")
         a = rac.token_operand(xq, rq)[:, np.argsort(cols)]
         return jnp.pad(a, ((0, rows - t), (0, 0))), xq.global_scale
     cfg = dataclasses.replace(config or quant_config(t, k), fused_amax=True)
     cfg.check(k)
-    interpret = _backend.interpret_mode()
+    interpret = interpret_mode()
     xin = jnp.pad(x, ((0, rows - t), (0, 0))) if interpret else x  # interpret mode clamps out-of-range loads
     a, gx = _quant_call(xin, None, None, n_sel=rac.num_selected(rac_ratio, k // 16), use_mask=False, cfg=cfg, interpret=interpret,
                         emit=tuple(order), rows_out=rows)

@@ -55,7 +55,12 @@ class Precision:
     lm_head: str = "bf16"
     rac_ratio: float = 0.0
     rac_sum: str = "fp16"  # how W4A4 GEMMs add RAC's product: "fp16" or "exact" (pallas_kernels.rac)
-    backend: str | None = None  # None: the process default of pallas_kernels
+    kernels: pk.KernelConfig = pk.KernelConfig()  # which implementation each op runs
+
+    @property
+    def backend(self) -> str:
+        """The NVFP4 / FP8 kernels' backend as ops take it ("auto", "pallas" or "xla")."""
+        return self.kernels.backend
 
     def __post_init__(self):
         for k in KINDS:
@@ -66,6 +71,8 @@ class Precision:
             raise ValueError(f"precision.rac_ratio={self.rac_ratio!r}: expected a number in [0, 1]")
         if self.rac_sum not in pk.RAC_SUMS:
             raise ValueError(f"precision.rac_sum={self.rac_sum!r}: expected one of {pk.RAC_SUMS}")
+        if not isinstance(self.kernels, pk.KernelConfig):
+            raise ValueError(f"precision.kernels={self.kernels!r}: expected a pallas_kernels.KernelConfig")
 
     def mode(self, kind: str) -> str:
         if kind not in KINDS:
@@ -101,9 +108,16 @@ def train_policy(name: str) -> Precision:
     return TRAIN_POLICIES[name]
 
 
-def rollout_recipe(name: str, rac_ratio: float | None = None, backend: str | None = None, rac_sum: str | None = None) -> Precision:
-    """The named rollout recipe, optionally with its RAC ratio, RAC sum and kernel backend
-    replaced."""
+def train_policy_with(name: str, kernels: pk.KernelConfig | None = None) -> Precision:
+    """The named trainer policy with its kernel config replaced."""
+    p = train_policy(name)
+    return p if kernels is None else dataclasses.replace(p, kernels=kernels)
+
+
+def rollout_recipe(name: str, rac_ratio: float | None = None, backend: str | None = None, rac_sum: str | None = None,
+                   kernels: pk.KernelConfig | None = None) -> Precision:
+    """The named rollout recipe, optionally with its RAC ratio, RAC sum and kernel config (or
+    only its NVFP4/FP8 kernel backend) replaced."""
     if name not in ROLLOUT_RECIPES:
         raise ValueError(f"rollout recipe {name!r}: expected one of {sorted(ROLLOUT_RECIPES)}")
     p = ROLLOUT_RECIPES[name]
@@ -111,11 +125,10 @@ def rollout_recipe(name: str, rac_ratio: float | None = None, backend: str | Non
         p = dataclasses.replace(p, rac_ratio=float(rac_ratio))
     if rac_sum is not None:
         p = dataclasses.replace(p, rac_sum=rac_sum)
+    if kernels is not None:
+        p = dataclasses.replace(p, kernels=kernels)
     if backend is not None:
-        from pallas_kernels.backend import BACKENDS
-        if backend not in BACKENDS:
-            raise ValueError(f"kernels.backend={backend!r}: expected one of {BACKENDS}")
-        p = dataclasses.replace(p, backend=backend)
+        p = dataclasses.replace(p, kernels=dataclasses.replace(p.kernels, backend=backend))
     return p
 
 
@@ -234,10 +247,12 @@ def _bf16(x):
     return x if isinstance(x, pk.QuantizedRows) else x.astype(jnp.bfloat16)
 
 
-def grouped_linear(x, w, group_sizes, mode: str, *, dtype=jnp.bfloat16, rac_ratio: float = 0.0, rac_sum: str = "fp16", backend=None):
+def grouped_linear(x, w, group_sizes, mode: str, *, dtype=jnp.bfloat16, rac_ratio: float = 0.0, rac_sum: str = "fp16", backend=None,
+                   grouped: str = "auto"):
     """Per-expert ``x_e @ W_e.T`` for rows of x [M, K] (or QuantizedRows) sorted by expert and
     W [E, N, K]; ``w`` may be a list of expert weights that read the same rows (gate/up): the
-    list of outputs, from one kernel launch when they are NVFP4."""
+    list of outputs, from one kernel launch when they are NVFP4. Float weights go through
+    ``pk.grouped_dot`` (``grouped``: "tokamax", "xla" or "auto"), in their stored layout."""
     ws, many = _weights(w)
     launches = _nvfp4_launches(ws)
     if launches is not None:
@@ -246,15 +261,14 @@ def grouped_linear(x, w, group_sizes, mode: str, *, dtype=jnp.bfloat16, rac_rati
                                           out_dtype=dtype)
                   for g in launches), ())
     else:
-        ys = tuple(_grouped_one(x, wi, group_sizes, mode, dtype=dtype, backend=backend) for wi in ws)
+        ys = tuple(_grouped_one(x, wi, group_sizes, mode, dtype=dtype, backend=backend, grouped=grouped) for wi in ws)
     return list(ys) if many else ys[0]
 
 
-def _grouped_one(x, w, group_sizes, mode, *, dtype, backend):
+def _grouped_one(x, w, group_sizes, mode, *, dtype, backend, grouped):
     if isinstance(w, nvfp4.NVFP4Tensor):
         raise ValueError("w: NVFP4 expert weights mixed with other weights in one grouped call")
     if isinstance(w, fp8.FP8Tensor):
         return pk.fp8_grouped_matmul(x.astype(jnp.bfloat16), w, group_sizes, backend=backend, out_dtype=dtype)
     a, b = _float_operands(x.astype(dtype), w, mode)
-    return jax.lax.ragged_dot(a.astype(dtype), jnp.swapaxes(b.astype(dtype), 1, 2), group_sizes,
-                              preferred_element_type=jnp.float32).astype(dtype)
+    return pk.grouped_dot(a.astype(dtype), b.astype(dtype), group_sizes, impl=grouped, out_dtype=dtype)

@@ -154,16 +154,16 @@ def test_engine_with_word_coded_weights_generates_the_same(params, monkeypatch):
     bytes); generation gives the same tokens, log-probs equal up to accumulation order. (The
     Pallas GEMMs read the words; the XLA reference's block values of words are checked in
     test_nvfp4.test_code_words_hold_the_same_bytes_and_values.)"""
-    from pallas_kernels import use_backend
+    from quads_jax import precision as P
     from quads_jax import tiling
 
     flat, _ = params
     q = [Request(prompt=[1, 5, 6, 9], max_new_tokens=8, seed=3), Request(prompt=[4, 4, 7], max_new_tokens=6, seed=5)]
     out = {}
-    with use_backend("pallas"):
+    if True:
         for decode in ("prmt", "words"):
             monkeypatch.setattr(tiling, "DEFAULT_DECODE", decode)
-            eng = Engine(CFG, recipe="quads", max_batch=2, max_len=32)
+            eng = Engine(CFG, recipe=P.rollout_recipe("quads", backend="pallas"), max_batch=2, max_len=32)
             eng.load(flat)
             leaves = jax.tree_util.tree_leaves(eng._state)
             assert any(getattr(l, "dtype", None) == jnp.uint32 for l in leaves) == (decode == "words")

@@ -13,6 +13,9 @@ import yaml
 from quads_jax.config_util import build
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+# per-block rematerialization: "none" keeps every activation; "full" keeps only each block's
+# input; "dots" keeps the matmul outputs without batch dimensions (recomputes the rest)
+REMAT_POLICIES = ("none", "full", "dots")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +42,10 @@ class ModelConfig:
     router_z_coef: float = 0.0
     param_dtype: str = "float32"
     compute_dtype: str = "bfloat16"
+    # training memory: what each block keeps for the backward pass (REMAT_POLICIES), and how
+    # many tokens' [chunk, vocab] FP32 logits token_logprobs holds at once (0: all)
+    remat: str = "none"
+    logits_chunk: int = 4096
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "max_seq_len"):
@@ -54,6 +61,10 @@ class ModelConfig:
             if getattr(self, name) not in DTYPES:
                 raise ValueError(f"model.{name}={getattr(self, name)!r}: expected one of {sorted(DTYPES)}")
         object.__setattr__(self, "mlp_only_layers", tuple(int(i) for i in self.mlp_only_layers))
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"model.remat={self.remat!r}: expected one of {REMAT_POLICIES}")
+        if int(self.logits_chunk) < 0:
+            raise ValueError(f"model.logits_chunk={self.logits_chunk!r}: expected 0 (no chunking) or a positive integer")
 
     @property
     def dtype(self):

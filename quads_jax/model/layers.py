@@ -114,11 +114,13 @@ class Attention(nnx.Module):
         self.q_norm = RMSNorm(hd, cfg.rms_eps, rngs=rngs)
         self.k_norm = RMSNorm(hd, cfg.rms_eps, rngs=rngs)
 
-    def __call__(self, x, positions, key_valid, prec, cache=None):
+    def __call__(self, x, positions, key_valid, prec, cache=None, lengths=None):
         """x [B, T, d]; positions [B, T]; key_valid [B, S] (S = T, or the cache length).
 
         With ``cache`` ({k, v} of this layer and ``start`` [B]) the new keys/values are
-        written at ``start`` and attention runs over the whole cache. Returns (y, cache)."""
+        written at ``start`` and attention runs over the whole cache. Without one, ``lengths``
+        [B] says the rows are right-padded with positions 0..T-1, and attention runs through
+        ``prec.kernels.attention`` (flash attention on a GPU). Returns (y, cache)."""
         cfg = self.cfg
         b, t, _ = x.shape
         dt = cfg.dtype
@@ -129,22 +131,19 @@ class Attention(nnx.Module):
         v = v.reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
         q = rope(self.q_norm(q), positions, cfg.rope_theta)
         k = rope(self.k_norm(k), positions, cfg.rope_theta)
-        if cache is not None:
-            k_all = _write_rows(cache["k"], k.astype(cache["k"].dtype), cache["start"])
-            v_all = _write_rows(cache["v"], v.astype(cache["v"].dtype), cache["start"])
-            cache = {"k": k_all, "v": v_all}
-            k_pos = jnp.arange(k_all.shape[1])[None, :]
+        if cache is None and lengths is not None and prec.kernels.resolved_attention() != "xla":
+            o = pk.causal_attention(q, k, v, lengths, impl=prec.kernels.attention)
         else:
-            k_all, v_all = k, v
-            k_pos = positions
-        g = cfg.n_heads // cfg.n_kv_heads
-        qg = q.reshape(b, t, cfg.n_kv_heads, g, cfg.head_dim)
-        s = jnp.einsum("btkgd,bskd->bkgts", qg, k_all.astype(dt), preferred_element_type=jnp.float32)
-        s = s * (cfg.head_dim**-0.5)
-        allowed = (k_pos[:, None, :] <= positions[:, :, None]) & key_valid[:, None, :]  # [B, T, S]
-        s = jnp.where(allowed[:, None, None], s, -1e30)
-        p = jax.nn.softmax(s, axis=-1)
-        o = jnp.einsum("bkgts,bskd->btkgd", p.astype(dt), v_all.astype(dt), preferred_element_type=jnp.float32)
+            if cache is not None:
+                k_all = _write_rows(cache["k"], k.astype(cache["k"].dtype), cache["start"])
+                v_all = _write_rows(cache["v"], v.astype(cache["v"].dtype), cache["start"])
+                cache = {"k": k_all, "v": v_all}
+                k_pos = jnp.arange(k_all.shape[1])[None, :]
+            else:
+                k_all, v_all = k, v
+                k_pos = positions
+            allowed = (k_pos[:, None, :] <= positions[:, :, None]) & key_valid[:, None, :]  # [B, T, S]
+            o = pk.attention_xla(q, k_all, v_all, allowed)
         o = o.reshape(b, t, cfg.n_heads * cfg.head_dim).astype(dt)
         return self.o(o, prec, dt), cache
 

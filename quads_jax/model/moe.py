@@ -36,11 +36,12 @@ def route(logits, k: int, normalize: bool, forced=None):
 
 def load_balance_loss(probs, ids, n_experts: int, mask=None):
     """Switch-style auxiliary loss E * sum_e f_e * P_e, with f_e the fraction of the
-    top-k assignments that go to expert e and P_e the mean router probability."""
+    top-k assignments that go to expert e and P_e the mean router probability. The counts
+    are a scatter-add over the [N, k] ids (no [N, k, E] one-hot)."""
     m = jnp.ones(probs.shape[:1], jnp.float32) if mask is None else mask.astype(jnp.float32)
-    onehot = jax.nn.one_hot(ids, n_experts, dtype=jnp.float32).sum(1)  # [N, E]
     denom = jnp.maximum(m.sum(), 1.0)
-    f = (onehot * m[:, None]).sum(0) / (denom * ids.shape[-1])
+    counts = jnp.zeros((n_experts,), jnp.float32).at[ids].add(jnp.broadcast_to(m[:, None], ids.shape))
+    f = counts / (denom * ids.shape[-1])
     p = (probs * m[:, None]).sum(0) / denom
     return n_experts * jnp.sum(f * p)
 
@@ -66,7 +67,7 @@ def expert_ffn(xs, w_gate, w_up, w_down, group_sizes, prec: P.Precision, dtype):
     """SwiGLU over rows sorted by expert, through the grouped-matmul dispatch."""
     mode = prec.mode("experts")
     gl = lambda a, w: P.grouped_linear(a, w, group_sizes, mode, dtype=dtype, rac_ratio=prec.rac_ratio, rac_sum=prec.rac_sum,
-                                       backend=prec.backend)
+                                       backend=prec.backend, grouped=prec.kernels.grouped)
     g, u = gl(xs, [w_gate, w_up])  # one launch for both under an NVFP4 recipe
     h = jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)
     return gl(h.astype(dtype), w_down)

@@ -33,8 +33,8 @@ class Block(nnx.Module):
             self.moe = None
             self.mlp = MLP(cfg.d_model, cfg.dense_ffn, "dense", cfg, rngs=rngs)
 
-    def __call__(self, x, positions, key_valid, prec, *, mask=None, cache=None, forced=None, expert_fn=None):
-        h, cache = self.attn(self.attn_norm(x), positions, key_valid, prec, cache)
+    def __call__(self, x, positions, key_valid, prec, *, mask=None, cache=None, forced=None, expert_fn=None, lengths=None):
+        h, cache = self.attn(self.attn_norm(x), positions, key_valid, prec, cache, lengths=lengths)
         x = x + h
         y = self.mlp_norm(x)
         if self.is_moe:
@@ -62,15 +62,30 @@ class Transformer(nnx.Module):
     def init_cache(self, batch: int, max_len: int | None = None):
         return init_kv_cache(self.cfg, batch, max_len)
 
-    def forward(self, tokens, *, mask=None, positions=None, cache=None, precision=None, forced_experts=None, expert_fn=None):
-        """tokens [B, T] -> (logits [B, T, V] float32, aux, cache).
+    def head_weight(self):
+        """The output projection [V, d]: the lm_head, or the tied embedding."""
+        return value(self.embed) if self.lm_head is None else value(self.lm_head.w)
+
+    def head(self, x, prec: P.Precision):
+        """Logits in float32 for hidden states x [..., d] (after the final norm)."""
+        return P.linear(x, self.head_weight(), prec.mode("lm_head"), dtype=jnp.float32, backend=prec.backend)
+
+    def forward(self, tokens, *, mask=None, positions=None, cache=None, precision=None, forced_experts=None, expert_fn=None,
+                head=True):
+        """tokens [B, T] -> (logits [B, T, V] float32, aux, cache); with ``head=False`` the
+        final hidden states [B, T, d] instead of the logits.
 
         mask [B, T]: 1 for real tokens (padding keys are never attended to).
         cache: from ``init_cache``; the T new tokens are written after each row's
         ``lengths`` (``mask`` gives how many of them are real) and attention covers the cache.
         aux: ``aux_loss`` and ``z_loss`` (summed over MoE layers) and, per MoE layer,
         ``experts`` [B, T, k] and ``router_logits``; ``forced_experts`` [L_moe, B, T, k]
-        replays a routing."""
+        replays a routing.
+
+        Without a cache and without explicit positions, rows are taken as right-padded
+        (``mask`` a prefix of each row): attention then runs through ``precision.kernels``'
+        attention (flash attention on a GPU), and each block is rematerialized as
+        ``cfg.remat`` says."""
         cfg = self.cfg
         prec = precision or self.precision
         b, t = tokens.shape
@@ -84,9 +99,12 @@ class Transformer(nnx.Module):
                 positions = start[:, None] + jnp.arange(t)[None, :]
             s = cache["layers"][0]["k"].shape[1]
             key_valid = jnp.arange(s)[None, :] < (start + n_new)[:, None]
+            lengths = None
         else:
+            lengths = None
             if positions is None:
                 positions = jnp.broadcast_to(jnp.arange(t)[None, :], (b, t))
+                lengths = mask.sum(1).astype(jnp.int32)
             key_valid = mask
         x = jnp.take(value(self.embed), tokens, axis=0).astype(cfg.dtype)
         new_layers, experts, logits_r = [], [], []
@@ -98,7 +116,12 @@ class Transformer(nnx.Module):
             forced = None
             if block.is_moe and forced_experts is not None:
                 forced = forced_experts[mi]
-            x, lc, aux = block(x, positions, key_valid, prec, mask=mask, cache=lc, forced=forced, expert_fn=expert_fn)
+            def run(blk, x, lc=lc, forced=forced):
+                return blk(x, positions, key_valid, prec, mask=mask, cache=lc, forced=forced, expert_fn=expert_fn,
+                           lengths=lengths)
+            if cache is None and cfg.remat != "none":
+                run = nnx.remat(run, policy=_REMAT[cfg.remat])
+            x, lc, aux = run(block, x)
             if cache is not None:
                 new_layers.append(lc)
             if aux is not None:
@@ -108,26 +131,56 @@ class Transformer(nnx.Module):
                 aux_loss = aux_loss + aux["aux_loss"]
                 zl = zl + aux["z_loss"]
         x = self.final_norm(x)
-        if self.lm_head is None:
-            logits = P.linear(x, value(self.embed), prec.mode("lm_head"), dtype=jnp.float32)
-        else:
-            logits = self.lm_head(x, prec, jnp.float32)
         new_cache = None
         if cache is not None:
             new_cache = {"layers": new_layers, "lengths": cache["lengths"] + mask.sum(1).astype(jnp.int32)}
         aux = {"aux_loss": aux_loss, "z_loss": zl,
                "experts": jnp.stack(experts) if experts else None,
                "router_logits": logits_r}
-        return logits.astype(jnp.float32), aux, new_cache
+        if not head:
+            return x, aux, new_cache
+        return self.head(x, prec).astype(jnp.float32), aux, new_cache
 
 
-def token_logprobs(model: Transformer, tokens, mask=None, *, precision=None, forced_experts=None, return_aux=False):
+_REMAT = {"full": None, "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+
+
+def chunked_logprobs(hidden, w, targets, head_fn, chunk: int):
+    """log_softmax(head_fn(hidden, w))[targets] for hidden [N, d], targets [N], computed
+    ``chunk`` rows at a time: only [chunk, V] FP32 logits are live, in the forward and (each
+    chunk rematerialized) in the backward pass. ``chunk`` 0 computes all rows at once."""
+    n = hidden.shape[0]
+
+    def one(w, h, tg):
+        logits = head_fn(h, w).astype(jnp.float32)
+        lse = jax.nn.logsumexp(logits, axis=-1)
+        return jnp.take_along_axis(logits, tg[:, None], axis=-1)[:, 0] - lse
+
+    if not chunk or chunk >= n:
+        return one(w, hidden, targets)
+    n_chunks = -(-n // chunk)
+    pad = n_chunks * chunk - n
+    hp = jnp.pad(hidden, ((0, pad), (0, 0))).reshape(n_chunks, chunk, hidden.shape[-1])
+    tp = jnp.pad(targets, (0, pad)).reshape(n_chunks, chunk)
+    body = jax.checkpoint(one)
+    _, lp = jax.lax.scan(lambda c, xs: (c, body(w, *xs)), None, (hp, tp))
+    return lp.reshape(-1)[:n]
+
+
+def token_logprobs(model: Transformer, tokens, mask=None, *, precision=None, forced_experts=None, return_aux=False,
+                   chunk: int | None = None):
     """log p(tokens[:, t] | tokens[:, :t]) in float32, shape [B, T] (position 0 gets 0).
 
-    ``mask`` [B, T] marks real tokens; positions outside it get 0."""
-    logits, aux, _ = model.forward(tokens, mask=mask, precision=precision, forced_experts=forced_experts)
-    lp = jax.nn.log_softmax(logits[:, :-1].astype(jnp.float32), axis=-1)
-    tok = jnp.take_along_axis(lp, tokens[:, 1:, None], axis=-1)[..., 0]
+    ``mask`` [B, T] marks real tokens; positions outside it get 0. The head runs ``chunk``
+    tokens at a time (default ``model.cfg.logits_chunk``), so [B*T, V] FP32 logits never
+    exist at once."""
+    prec = precision or model.precision
+    h, aux, _ = model.forward(tokens, mask=mask, precision=prec, forced_experts=forced_experts, head=False)
+    b, t, d = h.shape
+    mode = prec.mode("lm_head")
+    head_fn = lambda hc, w: P.linear(hc, w, mode, dtype=jnp.float32, backend=prec.backend)
+    tok = chunked_logprobs(h[:, :-1].reshape(-1, d), model.head_weight(), tokens[:, 1:].reshape(-1), head_fn,
+                           model.cfg.logits_chunk if chunk is None else chunk).reshape(b, t - 1)
     out = jnp.concatenate([jnp.zeros_like(tok[:, :1]), tok], axis=1)
     if mask is not None:
         out = jnp.where(mask.astype(bool), out, 0.0)

@@ -1,0 +1,282 @@
+"""Trainer-scale benchmark: one MoE train step (fwd + bwd + AdamW) per config, on one GPU.
+
+    PYTHONPATH=. python benchmarks/bench_train.py --out DIR [--quick]
+
+Model: bench_model.BIG (0.89B total, 64 experts, top-8, 8 layers, vocab 32000). Each config
+(policy x grouped GEMM x attention x remat x tokens) is checked for a finite loss, compiled once,
+and timed over several donated steps (wall clock around whole steps of tens to hundreds of ms).
+MFU counts 6 * active params * tokens + attention (quads_jax.train.flops) against the BF16
+peak an 8192^3 matmul reaches in the same process. Memory: XLA's compiled estimate of the step
+(arguments + temporaries + outputs - aliased) and the process peak. The expert grouped GEMM is
+also timed alone, forward + backward, against the same peak. Writes DIR/train.json and
+DIR/train.md after every config (partial results survive a time-out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import datetime
+import json
+import os
+import time
+import traceback
+
+import numpy as np
+
+RES: dict = {"configs": [], "errors": {}}
+
+
+def save(out):
+    json.dump(RES, open(os.path.join(out, "train.json"), "w"), indent=1, default=str)
+    open(os.path.join(out, "train.md"), "w").write(markdown(RES))
+
+
+def matmul_peak():
+    import jax
+    import jax.numpy as jnp
+    n = 8192 if jax.default_backend() == "gpu" else 512
+    a = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(2), (n, n), jnp.bfloat16)
+    f = jax.jit(lambda a, b: a @ b)
+    jax.block_until_ready(f(a, b))
+    ts = []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(a, b))
+        ts.append(time.perf_counter() - t0)
+    return 2 * n**3 / float(np.median(ts))
+
+
+def kernel_breakdown(fn, args, top=12):
+    """CUPTI kernel times (ms) of one call of ``fn``, summed by kernel name."""
+    from jax.experimental.mosaic.gpu import profiler
+    _, per_iter = profiler.measure(fn, aggregate=False, iterations=2)(*args)
+    agg = collections.Counter()
+    for name, ms in per_iter[-1]:
+        agg[name.split(".")[0][:60]] += ms
+    out = dict(agg.most_common(top))
+    out["total_ms"] = sum(agg.values())
+    return out
+
+
+def grouped_gemm(peak, tokens, cfg, impls):
+    """The expert GEMMs alone, fwd + bwd (dx and dW), at the bench model's shapes."""
+    import jax
+    import jax.numpy as jnp
+
+    import pallas_kernels as pk
+    m, e, d, f = tokens * cfg.experts_per_token, cfg.n_experts, cfg.d_model, cfg.expert_ffn
+    rng = np.random.default_rng(0)
+    counts = rng.multinomial(m, rng.dirichlet(np.full(e, 2.0)))
+    gs = jnp.asarray(counts, jnp.int32)
+    out = {}
+    for impl in impls:
+        for name, (k, n) in {"gate_up": (d, 2 * f), "down": (f, d)}.items():
+            x = jax.random.normal(jax.random.key(3), (m, k), jnp.bfloat16)
+            w = (jax.random.normal(jax.random.key(4), (e, n, k), jnp.float32) * k**-0.5).astype(jnp.bfloat16)
+            loss = lambda x, w: jnp.sum(pk.grouped_dot(x, w, gs, impl=impl).astype(jnp.float32) ** 2)
+            g = jax.jit(jax.grad(loss, argnums=(0, 1)))
+            key = f"{impl}/{name}"
+            try:
+                ref = jax.jit(jax.grad(lambda x, w: jnp.sum(pk.grouped_dot_xla(x, w, gs).astype(jnp.float32) ** 2),
+                                       argnums=(0, 1)))(x, w) if impl != "xla" and m <= 65536 else None
+                got = g(x, w)
+                jax.block_until_ready(got)
+                rel = None
+                if ref is not None:
+                    rel = max(float(jnp.linalg.norm((a - b).astype(jnp.float32)) / jnp.linalg.norm(b.astype(jnp.float32)))
+                              for a, b in zip(got, ref))
+                ts = []
+                for _ in range(10):
+                    t0 = time.perf_counter()
+                    jax.block_until_ready(g(x, w))
+                    ts.append(time.perf_counter() - t0)
+                dt = float(np.median(ts))
+                flops = 6 * m * k * n
+                out[key] = {"M": m, "K": k, "N": n, "E": e, "fwd_bwd_ms": dt * 1e3, "TFLOPs": flops / dt / 1e12,
+                            "frac_of_peak": flops / dt / peak, "rel_err_vs_xla": rel}
+            except Exception as ex:
+                out[key] = {"error": f"{type(ex).__name__}: {ex}"[:500]}
+            print("grouped", key, out[key], flush=True)
+    return out
+
+
+def train_config(cfg_big, policy, grouped, attention, remat, batch, seq, peak, steps=6, breakdown=False):
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import pallas_kernels as pk
+    from quads_jax import precision as P
+    from quads_jax.model import ModelConfig, Transformer
+    from quads_jax.train.flops import flops_per_token
+    from quads_jax.train.losses import sft_loss
+    from quads_jax.train.state import OptimConfig, init_state, make_optimizer, make_train_step, split_params
+
+    cfg = ModelConfig(**{**cfg_big, "remat": remat, "max_seq_len": max(seq, cfg_big["max_seq_len"])})
+    kc = pk.KernelConfig(grouped=grouped, attention=attention)
+    prec = P.train_policy_with(policy, kc)
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    g, params, _ = split_params(model)
+    del model
+    tx = make_optimizer(OptimConfig(lr=1e-4, warmup_steps=1))
+    state = init_state(params, tx)
+    del params
+    tok = jax.random.randint(jax.random.key(0), (batch, seq), 0, cfg.vocab_size)
+    b = {"tokens": tok, "attn": jnp.ones((batch, seq), bool), "loss_mask": jnp.ones((batch, seq), bool)}
+    step = make_train_step(g, tx, sft_loss(prec))
+    t0 = time.perf_counter()
+    compiled = step.lower(state, b).compile()
+    compile_s = time.perf_counter() - t0
+    ma = compiled.memory_analysis()
+    est = None
+    if ma is not None:
+        est = (ma.argument_size_in_bytes + ma.temp_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes) / 2**30
+    state, m = compiled(state, b)
+    loss0 = float(m["loss"])
+    ts = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        state, m = compiled(state, b)
+        jax.block_until_ready(m["loss"])
+        ts.append(time.perf_counter() - t0)
+    dt = float(np.median(ts))
+    tokens = batch * seq
+    flops = flops_per_token(cfg, seq) * tokens
+    counts = cfg.param_counts()
+    row = {"policy": policy, "grouped": grouped, "attention": attention, "remat": remat, "batch": batch, "seq": seq,
+           "tokens": tokens, "step_s": dt, "tokens_per_s": tokens / dt, "MFU": flops / dt / peak,
+           "MFU_6N": 6 * counts["active"] * tokens / dt / peak, "compile_s": compile_s, "mem_estimate_GiB": est,
+           "loss_first": loss0, "loss_last": float(m["loss"]), "finite": bool(np.isfinite(float(m["loss"])))}
+    if breakdown:
+        try:
+            # not donated, so it can repeat: the same program as the timed one
+            nd = make_train_step(g, tx, sft_loss(prec), donate=False)
+            kb = kernel_breakdown(lambda s, bb: nd(s, bb), (state, b))
+            row["kernels_ms"] = kb
+            row["kernel_sum_over_step"] = kb["total_ms"] / 1e3 / dt
+        except Exception as ex:
+            row["breakdown_error"] = f"{type(ex).__name__}: {ex}"[:400]
+    del state, compiled, step
+    stats = jax.devices()[0].memory_stats() or {}
+    row["process_peak_GiB"] = stats.get("peak_bytes_in_use", 0) / 2**30
+    return row
+
+
+def markdown(res):
+    lines = [f"# Train step benchmark ({res.get('date')}, {res.get('device')}, jax {res.get('jax')})", "",
+             f"Command: `{res.get('command')}`", "",
+             f"Model: {res.get('model')}. BF16 matmul peak measured in this process: {res.get('peak_TFLOPs', 0):.0f} TFLOP/s.", "",
+             "| policy | grouped | attention | remat | tokens (B x T) | step ms | tokens/s | MFU | MFU (6N) | mem est GiB | loss first -> last |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in res["configs"]:
+        if "error" in r:
+            lines.append(f"| {r['policy']} | {r['grouped']} | {r['attention']} | {r['remat']} | {r['batch']}x{r['seq']} | "
+                         f"error: {r['error'][:120]} | | | | | |")
+            continue
+        est = "-" if r.get("mem_estimate_GiB") is None else f"{r['mem_estimate_GiB']:.1f}"
+        lines.append(f"| {r['policy']} | {r['grouped']} | {r['attention']} | {r['remat']} | {r['tokens']} ({r['batch']}x{r['seq']}) | "
+                     f"{1e3 * r['step_s']:.1f} | {r['tokens_per_s']:.0f} | {100 * r['MFU']:.1f}% | {100 * r['MFU_6N']:.1f}% | {est} | "
+                     f"{r['loss_first']:.3f} -> {r['loss_last']:.3f} |")
+    gg = res.get("grouped_gemm")
+    if gg:
+        lines += ["", "## Expert grouped GEMM alone, fwd + bwd", "", "| impl/weight | M x K -> N | ms | TFLOP/s | of peak | rel err vs xla |",
+                  "|---|---|---|---|---|---|"]
+        for k, v in gg.items():
+            if "error" in v:
+                lines.append(f"| {k} | | error: {v['error'][:150]} | | | |")
+            else:
+                rel = "-" if v["rel_err_vs_xla"] is None else f"{v['rel_err_vs_xla']:.1e}"
+                lines.append(f"| {k} | {v['M']} x {v['K']} -> {v['N']} ({v['E']} experts) | {v['fwd_bwd_ms']:.2f} | "
+                             f"{v['TFLOPs']:.0f} | {100 * v['frac_of_peak']:.0f}% | {rel} |")
+    for r in res["configs"]:
+        if r.get("kernels_ms"):
+            lines += ["", f"## Kernel breakdown: {r['policy']} {r['grouped']} {r['attention']} remat={r['remat']} "
+                      f"{r['tokens']} tokens (kernel sum / step wall = {r.get('kernel_sum_over_step', float('nan')):.2f})", "",
+                      "| kernel | ms |", "|---|---|"]
+            lines += [f"| {k} | {v:.2f} |" for k, v in r["kernels_ms"].items()]
+    if res["errors"]:
+        lines += ["", "## Errors", ""] + [f"- {k}: {v[:300]}" for k, v in res["errors"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def parse_configs(spec: str):
+    """'policy:grouped:attention:remat:BxT,...'"""
+    out = []
+    for item in spec.split(","):
+        p, g, a, r, bt = item.split(":")
+        b, t = bt.split("x")
+        out.append((p, g, a, r, int(b), int(t)))
+    return out
+
+
+DEFAULT = ",".join([
+    "bf16:tokamax:cudnn:none:8x4096",    # 32k tokens: the target config
+    "nvfp4_w:tokamax:cudnn:none:8x4096",
+    "bf16:xla:xla:none:1x1024",          # the old path (ragged_dot expanded densely), for the ratio
+    "bf16:tokamax:cudnn:none:1x1024",
+    "bf16:tokamax:cudnn:none:2x4096",    # 8k tokens
+    "bf16:tokamax:cudnn:full:16x4096",   # 64k
+    "bf16:tokamax:tokamax:none:8x4096",
+    "bf16:tokamax:cudnn:full:32x4096",   # 128k
+])
+
+
+def main():
+    import sys
+
+    import jax
+
+    from benchmarks.bench_model import BIG
+    from quads_jax.model import ModelConfig
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
+    ap.add_argument("--configs", default=DEFAULT, help="policy:grouped:attention:remat:BxT, comma-separated")
+    ap.add_argument("--breakdown", default="bf16:tokamax:cudnn:none:8x4096", help="configs to profile per kernel")
+    ap.add_argument("--gemm-tokens", type=int, default=32768, help="tokens of the grouped-GEMM microbenchmark (0: skip)")
+    ap.add_argument("--gemm-impls", default="tokamax,xla")
+    ap.add_argument("--budget", type=float, default=540, help="seconds: no new config starts after this")
+    ap.add_argument("--tiny", action="store_true", help="a small model, to check the harness on a CPU")
+    a = ap.parse_args()
+    t_start = time.time()
+    os.makedirs(a.out, exist_ok=True)
+    cfg = ModelConfig(**(BIG if not a.tiny else dict(BIG, vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                                                          head_dim=16, n_experts=8, experts_per_token=2, expert_ffn=32)))
+    counts = cfg.param_counts()
+    RES.update(date=datetime.date.today().isoformat(), device=jax.devices()[0].device_kind, jax=jax.__version__,
+               command=" ".join(["python"] + sys.argv),
+               model=f"{counts['total'] / 1e9:.2f}B total / {counts['active'] / 1e9:.2f}B active, {cfg.n_experts} experts top-"
+                     f"{cfg.experts_per_token}, {cfg.n_layers} layers")
+    RES["peak_TFLOPs"] = matmul_peak() / 1e12
+    print("peak", RES["peak_TFLOPs"], flush=True)
+    peak = RES["peak_TFLOPs"] * 1e12
+    if a.gemm_tokens:
+        try:
+            RES["grouped_gemm"] = grouped_gemm(peak, a.gemm_tokens, cfg, a.gemm_impls.split(","))
+        except Exception as e:
+            RES["errors"]["grouped_gemm"] = f"{type(e).__name__}: {e}"[:1000]
+        save(a.out)
+    prof = set(a.breakdown.split(",")) if a.breakdown else set()
+    for spec in parse_configs(a.configs):
+        if time.time() - t_start > a.budget:
+            RES["errors"][":".join(map(str, spec))] = "skipped: out of time budget"
+            continue
+        p, g, at, r, b, t = spec
+        key = f"{p}:{g}:{at}:{r}:{b}x{t}"
+        try:
+            row = train_config(dataclasses.asdict(cfg), p, g, at, r, b, t, peak, breakdown=key in prof)
+        except Exception as e:
+            row = {"policy": p, "grouped": g, "attention": at, "remat": r, "batch": b, "seq": t,
+                   "error": f"{type(e).__name__}: {e}"[:600]}
+            traceback.print_exc()
+        RES["configs"].append(row)
+        print("config", json.dumps(row, default=str), flush=True)
+        save(a.out)
+    print(markdown(RES))
+
+
+if __name__ == "__main__":
+    main()

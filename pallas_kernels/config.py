@@ -1,0 +1,86 @@
+"""Which implementation each op runs: one frozen value, passed down explicitly.
+
+    kc = KernelConfig(backend="pallas", grouped="tokamax", attention="cudnn")
+    prec = dataclasses.replace(precision.train_policy("bf16"), kernels=kc)
+
+Fields (each validated here, with a one-line error naming the field):
+
+    backend    the NVFP4 / FP8 kernels: "pallas" (the Pallas kernels; interpreted on a CPU),
+               "xla" (their XLA references), or "auto" (pallas on a GPU, xla elsewhere).
+    grouped    float grouped matmuls (the trainer's expert GEMMs, the BF16 rollout's MoE):
+               "tokamax" (tokamax.ragged_dot: Mosaic GPU kernels with a VJP), "xla"
+               (``jax.lax.ragged_dot_general``, the reference; XLA:GPU expands it densely over
+               all experts, so it is slow and large there), or "auto" (tokamax on a GPU,
+               xla elsewhere).
+    attention  attention without a KV cache (training, scoring, prefill): "cudnn" (flash
+               attention through ``jax.nn.dot_product_attention``), "tokamax" (tokamax's
+               Mosaic GPU flash attention and its VJP), "xla" (the reference: the full score
+               tensor), or "auto" (cudnn on a GPU, xla elsewhere).
+
+"auto" resolves from the platform the computation is traced for, never from process state,
+so the same config gives the same program on the same machine.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+
+BACKENDS = ("pallas", "xla")
+GROUPED = ("tokamax", "xla")
+ATTENTION = ("cudnn", "tokamax", "xla")
+
+
+def _on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def _pick(field: str, value: str, allowed: tuple[str, ...], gpu_choice: str) -> str:
+    if value == "auto":
+        return gpu_choice if _on_gpu() else "xla"
+    if value not in allowed:
+        raise ValueError(f"kernels.{field}={value!r}: expected one of {('auto',) + allowed}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    backend: str = "auto"
+    grouped: str = "auto"
+    attention: str = "auto"
+
+    def __post_init__(self):
+        for name, allowed in (("backend", BACKENDS), ("grouped", GROUPED), ("attention", ATTENTION)):
+            v = getattr(self, name)
+            if v != "auto" and v not in allowed:
+                raise ValueError(f"kernels.{name}={v!r}: expected one of {('auto',) + allowed}")
+
+    def resolved_backend(self) -> str:
+        return _pick("backend", self.backend, BACKENDS, "pallas")
+
+    def resolved_grouped(self) -> str:
+        return _pick("grouped", self.grouped, GROUPED, "tokamax")
+
+    def resolved_attention(self) -> str:
+        return _pick("attention", self.attention, ATTENTION, "cudnn")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> "KernelConfig":
+        d = dict(d or {})
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"kernels: unknown keys {unknown}; expected some of {sorted(names)}")
+        return cls(**d)
+
+
+def resolve_backend(backend: str | None) -> str:
+    """An op's ``backend=`` argument: None or "auto" means pallas on a GPU, xla elsewhere."""
+    return KernelConfig(backend=backend or "auto").resolved_backend()
+
+
+def interpret_mode() -> bool:
+    """True when Pallas kernels must be interpreted (no GPU backend present)."""
+    return not _on_gpu()

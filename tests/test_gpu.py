@@ -1,0 +1,107 @@
+"""Correctness on the GPU itself (``pytest -m gpu`` on the device; skipped elsewhere): the
+compiled kernels against their XLA references, on fresh random data, within the tolerance of
+their operand precision (BF16 operands: relative error between 1e-3 and 1e-2 of the norm)."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import pallas_kernels as pk
+from quads_jax import nvfp4
+from quads_jax import precision as P
+from quads_jax.model import ModelConfig, Transformer, token_logprobs
+
+pytestmark = pytest.mark.gpu
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def test_tokamax_grouped_dot_fwd_bwd_equals_ragged_dot():
+    rng = np.random.default_rng()
+    m, e, k, n = 4096, 16, 512, 256
+    counts = rng.multinomial(m, rng.dirichlet(np.ones(e)))
+    gs = jnp.asarray(counts, jnp.int32)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((e, n, k)) * k**-0.5, jnp.bfloat16)
+    ct = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
+    f = lambda impl: jax.jit(jax.value_and_grad(
+        lambda x, w: jnp.sum(pk.grouped_dot(x, w, gs, impl=impl).astype(jnp.float32) * ct), argnums=(0, 1)))
+    (lt, gt), (lr, gr) = f("tokamax")(x, w), f("xla")(x, w)
+    assert rel(lt, lr) < 1e-2
+    assert rel(pk.grouped_dot(x, w, gs, impl="tokamax"), pk.grouped_dot_xla(x, w, gs)) < 1e-2
+    for a, b in zip(gt, gr):
+        assert rel(a, b) < 1e-2
+
+
+@pytest.mark.parametrize("impl", ["cudnn", "tokamax"])
+def test_flash_attention_fwd_bwd_equals_xla(impl):
+    rng = np.random.default_rng()
+    b, t, h, hkv, d = 2, 512, 8, 2, 64
+    q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.bfloat16) for s in ((b, t, h, d), (b, t, hkv, d), (b, t, hkv, d)))
+    lengths = jnp.asarray([t, 300], jnp.int32)
+    real = (jnp.arange(t)[None, :] < lengths[:, None])[..., None, None]
+    ct = jnp.where(real, jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.bfloat16), 0)
+    f = lambda impl: jax.jit(jax.grad(
+        lambda q, k, v: jnp.sum(pk.causal_attention(q, k, v, lengths, impl=impl).astype(jnp.float32) * ct), argnums=(0, 1, 2)))
+    o = pk.causal_attention(q, k, v, lengths, impl=impl)
+    r = pk.causal_attention(q, k, v, lengths, impl="xla")
+    assert rel(jnp.where(real, o, 0), jnp.where(real, r, 0)) < 1e-2
+    for a, bb in zip(f(impl)(q, k, v), f("xla")(q, k, v)):
+        assert rel(a, bb) < 2e-2
+
+
+def test_fast_train_path_equals_reference_loss_and_grads():
+    cfg = ModelConfig(vocab_size=512, d_model=256, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=64, n_experts=8,
+                      experts_per_token=2, expert_ffn=128, max_seq_len=256, compute_dtype="bfloat16")
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    g, st = nnx.split(model, nnx.Param)
+    rng = np.random.default_rng()
+    tokens = jnp.asarray(rng.integers(0, 512, (4, 256)))
+    mask = jnp.arange(256)[None, :] < jnp.asarray([[256], [200], [129], [256]])
+
+    def run(kc, remat, chunk):
+        prec = P.train_policy_with("nvfp4_w", kc)
+        c = cfg.replace(remat=remat, logits_chunk=chunk)
+        gg, _ = nnx.split(Transformer(c, rngs=nnx.Rngs(0)), nnx.Param)
+
+        def f(st):
+            lp = token_logprobs(nnx.merge(gg, st), tokens, mask, precision=prec)
+            return -jnp.sum(jnp.where(mask, lp, 0)) / mask.sum()
+        return jax.jit(jax.value_and_grad(f))(st)
+
+    lr, gr = run(pk.KernelConfig(grouped="xla", attention="xla"), "none", 0)
+    for kc in (pk.KernelConfig(grouped="tokamax", attention="cudnn"), pk.KernelConfig(grouped="tokamax", attention="tokamax")):
+        l, gg = run(kc, "full", 256)
+        assert abs(float(l) - float(lr)) < 1e-2 * abs(float(lr))
+        num = sum(float(jnp.sum((a.astype(jnp.float32) - b.astype(jnp.float32)) ** 2)) for a, b in zip(jax.tree.leaves(gg), jax.tree.leaves(gr)))
+        den = sum(float(jnp.sum(b.astype(jnp.float32) ** 2)) for b in jax.tree.leaves(gr))
+        assert (num / den) ** 0.5 < 3e-2, kc
+
+
+@pytest.mark.parametrize("rac", [0.0, 0.5])
+@pytest.mark.parametrize("t", [16, 64, 256])
+def test_pallas_nvfp4_matmul_equals_xla(t, rac):
+    rng = np.random.default_rng()
+    n, k = 1024, 2048
+    x = jnp.asarray(rng.standard_normal((t, k)), jnp.bfloat16)
+    w = P.prepare_weight(jnp.asarray(rng.standard_normal((n, k)) * k**-0.5, jnp.float32), "w4a4")
+    a = pk.nvfp4_matmul(x, w, rac_ratio=rac, act_scale="token", backend="pallas")
+    b = pk.nvfp4_matmul(x, w, rac_ratio=rac, act_scale="token", backend="xla")
+    assert rel(a, b) < 1e-5
+
+
+@pytest.mark.parametrize("t", [16, 256])
+def test_pallas_quantizer_is_bit_identical_to_xla(t):
+    rng = np.random.default_rng()
+    x = jnp.asarray(rng.standard_normal((t, 2048)) * np.exp(rng.standard_normal((1, 2048))), jnp.bfloat16)
+    a = pk.quantize_activations_rac(x, rac_ratio=0.5, backend="pallas")
+    b = pk.quantize_activations_rac(x, rac_ratio=0.5, backend="xla")
+    for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(u), np.asarray(v))

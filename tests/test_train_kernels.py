@@ -1,0 +1,157 @@
+"""The trainer's fast paths against their references, on fresh random data: the grouped
+expert GEMM (tokamax vs lax.ragged_dot), attention (cuDNN / tokamax vs the XLA reference),
+chunked log-probs, rematerialization, and the load-balance loss without a one-hot.
+
+On a CPU, tokamax and jax.nn run their XLA implementations: this checks the wiring (dimension
+numbers, masks, lengths, gradients); tests/test_gpu.py checks the GPU kernels themselves."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import pallas_kernels as pk
+from quads_jax import precision as P
+from quads_jax.model import ModelConfig, Transformer, token_logprobs
+from quads_jax.model.moe import load_balance_loss
+from quads_jax.model.transformer import chunked_logprobs
+
+
+def _groups(rng, m, e):
+    counts = rng.multinomial(m, rng.dirichlet(np.ones(e)))
+    counts[rng.integers(e)] = 0  # an empty expert
+    counts[0] += m - counts.sum()
+    return counts
+
+
+def _grouped_ref(x, w, counts):
+    out, s = [], 0
+    for e, c in enumerate(counts):
+        out.append(x[s:s + c] @ w[e].T)
+        s += c
+    return jnp.concatenate(out)
+
+
+@pytest.mark.parametrize("impl", ["xla", "tokamax"])
+def test_grouped_dot_matches_per_expert_products_and_grads(impl):
+    rng = np.random.default_rng()
+    m, e, k, n = 96, 6, 32, 24
+    counts = _groups(rng, m, e)
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((e, n, k)), jnp.float32)
+    gs = jnp.asarray(counts)
+    np.testing.assert_allclose(pk.grouped_dot(x, w, gs, impl=impl), _grouped_ref(x, w, counts), rtol=1e-5, atol=1e-4)
+    ct = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
+    got = jax.grad(lambda x, w: jnp.sum(pk.grouped_dot(x, w, gs, impl=impl) * ct), argnums=(0, 1))(x, w)
+    ref = jax.grad(lambda x, w: jnp.sum(_grouped_ref(x, w, counts) * ct), argnums=(0, 1))(x, w)
+    for a, b in zip(got, ref):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4)
+
+
+def test_grouped_dot_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="w: expected"):
+        pk.grouped_dot(jnp.zeros((4, 8)), jnp.zeros((2, 3, 7)), jnp.array([2, 2]), impl="xla")
+    with pytest.raises(ValueError, match="kernels.grouped"):
+        pk.grouped_dot(jnp.zeros((4, 8)), jnp.zeros((2, 3, 8)), jnp.array([2, 2]), impl="cublas")
+
+
+def _attn_ref(q, k, v, lengths):
+    b, t, h, d = q.shape
+    g = h // k.shape[2]
+    kk, vv = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
+    s = jnp.einsum("bthd,bshd->bhts", q, kk) / np.sqrt(d)
+    pos = jnp.arange(t)
+    ok = (pos[None, :] <= pos[:, None])[None, None] & (pos[None, None, None, :] < lengths[:, None, None, None])
+    p = jax.nn.softmax(jnp.where(ok, s, -jnp.inf), axis=-1)
+    return jnp.einsum("bhts,bshd->bthd", p, vv)
+
+
+@pytest.mark.parametrize("impl", ["xla", "cudnn", "tokamax"])
+def test_causal_attention_matches_reference_on_real_positions(impl):
+    rng = np.random.default_rng()
+    b, t, h, hkv, d = 3, 24, 4, 2, 16
+    q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((b, t, h, d), (b, t, hkv, d), (b, t, hkv, d)))
+    lengths = jnp.asarray([t, rng.integers(1, t), rng.integers(1, t)], jnp.int32)
+    real = (jnp.arange(t)[None, :] < lengths[:, None])[..., None, None]
+    got = pk.causal_attention(q, k, v, lengths, impl=impl)
+    np.testing.assert_allclose(jnp.where(real, got, 0), jnp.where(real, _attn_ref(q, k, v, lengths), 0), rtol=1e-5, atol=1e-5)
+    ct = jnp.where(real, jnp.asarray(rng.standard_normal((b, t, h, d)), jnp.float32), 0)
+    gots = jax.grad(lambda *a: jnp.sum(pk.causal_attention(*a, lengths, impl=impl) * ct), argnums=(0, 1, 2))(q, k, v)
+    refs = jax.grad(lambda *a: jnp.sum(_attn_ref(*a, lengths) * ct), argnums=(0, 1, 2))(q, k, v)
+    for a, r in zip(gots, refs):
+        np.testing.assert_allclose(a, r, rtol=1e-4, atol=1e-5)
+
+
+def test_chunked_logprobs_equal_unchunked_with_grads():
+    rng = np.random.default_rng()
+    n, d, v = 37, 16, 50
+    h = jnp.asarray(rng.standard_normal((n, d)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((v, d)), jnp.float32)
+    tg = jnp.asarray(rng.integers(0, v, n))
+    head = lambda x, w: x @ w.T
+    ref = jax.nn.log_softmax(h @ w.T)[jnp.arange(n), tg]
+    for chunk in (0, 8, 16, 64):
+        np.testing.assert_allclose(chunked_logprobs(h, w, tg, head, chunk), ref, rtol=1e-5, atol=1e-5)
+    g = jax.grad(lambda h, w: jnp.sum(chunked_logprobs(h, w, tg, head, 8) ** 2), argnums=(0, 1))(h, w)
+    r = jax.grad(lambda h, w: jnp.sum(jax.nn.log_softmax(h @ w.T)[jnp.arange(n), tg] ** 2), argnums=(0, 1))(h, w)
+    for a, b in zip(g, r):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+CFG = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8, n_experts=4,
+                  experts_per_token=2, expert_ffn=16, compute_dtype="float32")
+
+
+def _loss_and_grads(cfg, prec, tokens, mask):
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    g, st = nnx.split(model, nnx.Param)
+
+    def f(st):
+        lp = token_logprobs(nnx.merge(g, st), tokens, mask, precision=prec)
+        return -jnp.sum(lp)
+
+    return jax.jit(jax.value_and_grad(f))(st)
+
+
+@pytest.mark.parametrize("remat,chunk,kernels", [
+    ("full", 0, pk.KernelConfig()),
+    ("dots", 8, pk.KernelConfig()),
+    ("none", 8, pk.KernelConfig(grouped="tokamax", attention="cudnn")),
+    ("full", 16, pk.KernelConfig(grouped="tokamax", attention="tokamax")),
+])
+def test_train_paths_give_the_reference_loss_and_grads(remat, chunk, kernels):
+    """Remat policies, logits chunking and kernel choices change memory and speed, never the
+    loss or gradients (beyond float reassociation)."""
+    rng = np.random.default_rng()
+    tokens = jnp.asarray(rng.integers(0, 64, (3, 12)))
+    mask = jnp.arange(12)[None, :] < jnp.asarray([[12], [7], [10]])
+    ref_l, ref_g = _loss_and_grads(CFG.replace(logits_chunk=0), P.train_policy("nvfp4_w"), tokens, mask)
+    prec = dataclasses.replace(P.train_policy("nvfp4_w"), kernels=kernels)
+    l, g = _loss_and_grads(CFG.replace(remat=remat, logits_chunk=chunk), prec, tokens, mask)
+    np.testing.assert_allclose(l, ref_l, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(ref_g)):
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5)
+
+
+def test_load_balance_loss_equals_the_one_hot_formula():
+    rng = np.random.default_rng()
+    n, e, k = 50, 8, 3
+    probs = jax.nn.softmax(jnp.asarray(rng.standard_normal((n, e)), jnp.float32))
+    ids = jnp.asarray(np.stack([rng.choice(e, k, replace=False) for _ in range(n)]))
+    mask = jnp.asarray(rng.random(n) < 0.7)
+    m = mask.astype(jnp.float32)
+    f = (jax.nn.one_hot(ids, e).sum(1) * m[:, None]).sum(0) / (m.sum() * k)
+    p = (probs * m[:, None]).sum(0) / m.sum()
+    np.testing.assert_allclose(load_balance_loss(probs, ids, e, mask), e * jnp.sum(f * p), rtol=1e-6)
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="model.remat"):
+        CFG.replace(remat="some")
+    with pytest.raises(ValueError, match="kernels.attention"):
+        pk.KernelConfig(attention="flash")
+    with pytest.raises(ValueError, match="unknown keys"):
+        pk.KernelConfig.from_dict({"grouped": "xla", "tiles": 3})
