@@ -94,7 +94,7 @@ def test_pallas_nvfp4_matmul_equals_xla(t, rac):
     w = P.prepare_weight(jnp.asarray(rng.standard_normal((n, k)) * k**-0.5, jnp.float32), "w4a4")
     a = pk.nvfp4_matmul(x, w, rac_ratio=rac, act_scale="token", backend="pallas")
     b = pk.nvfp4_matmul(x, w, rac_ratio=rac, act_scale="token", backend="xla")
-    assert rel(a, b) < 1e-5
+    assert rel(a, b) < 2e-3  # the same FP32 products summed in another order, rounded to BF16
 
 
 @pytest.mark.parametrize("t", [16, 256])
