@@ -55,7 +55,9 @@ def grouped_dot_tokamax(x, w, group_sizes, *, out_dtype=None):
         raise ImportError("kernels.grouped='tokamax' needs tokamax (pip install 'quads-jax[gpu]'), "
                           "or set kernels.grouped='xla'") from e
     impl = None if jax.default_backend() == "gpu" else "xla"  # tokamax's own XLA path off the GPU
-    y = tokamax.ragged_dot_general(x, w, group_sizes.astype(jnp.int32), DIMS, preferred_element_type=jnp.float32,
+    # the kernel accumulates in FP32 and writes x's dtype; its VJP needs the cotangent in that
+    # dtype too (its backward GEMMs take operands of one dtype)
+    y = tokamax.ragged_dot_general(x, w.astype(x.dtype), group_sizes.astype(jnp.int32), DIMS, preferred_element_type=x.dtype,
                                    implementation=impl)
     return y.astype(out_dtype or x.dtype)
 
