@@ -3,9 +3,8 @@
     y = grouped_dot(x, w, group_sizes, impl="tokamax")   # x [M, K], w [E, N, K] -> y [M, N]
 
 Row block e of x (``group_sizes[e]`` rows, in order) is multiplied by ``w[e].T``. The weight
-stays in the layout the model stores it in, [E, N, K] (Hugging Face's [out, in]), so no
-per-call transpose is written by us: the product is ``ragged_dot_general`` with the weight's
-last axis contracted.
+stays in the layout the model stores it in, [E, N, K] (Hugging Face's [out, in]); the XLA
+reference contracts its last axis directly (``ragged_dot_general``).
 
 Implementations, picked by ``impl`` (``KernelConfig.grouped``):
 
@@ -55,10 +54,13 @@ def grouped_dot_tokamax(x, w, group_sizes, *, out_dtype=None):
         raise ImportError("kernels.grouped='tokamax' needs tokamax (pip install 'quads-jax[gpu]'), "
                           "or set kernels.grouped='xla'") from e
     impl = None if jax.default_backend() == "gpu" else "xla"  # tokamax's own XLA path off the GPU
-    # the kernel accumulates in FP32 and writes x's dtype; its VJP needs the cotangent in that
-    # dtype too (its backward GEMMs take operands of one dtype)
-    y = tokamax.ragged_dot_general(x, w.astype(x.dtype), group_sizes.astype(jnp.int32), DIMS, preferred_element_type=x.dtype,
-                                   implementation=impl)
+    # The kernel accumulates in FP32 and writes x's dtype; its VJP needs the cotangent in that
+    # dtype too (its backward GEMMs take operands of one dtype). The weight goes in as [E, K, N]
+    # with the default dimension numbers: tokamax 0.0.17 transposes a [E, N, K] weight itself
+    # in the forward pass, but its VJP then returns dW in the [E, K, N] shape (seen on an H100,
+    # 2026-12-05), so the transpose is ours, where JAX differentiates it.
+    y = tokamax.ragged_dot(x, jnp.swapaxes(w.astype(x.dtype), 1, 2), group_sizes.astype(jnp.int32),
+                           preferred_element_type=x.dtype, implementation=impl)
     return y.astype(out_dtype or x.dtype)
 
 
