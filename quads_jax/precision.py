@@ -200,10 +200,13 @@ def _nvfp4_launches(ws):
     return [ws] if FUSE_SHARED_INPUT else [(wi,) for wi in ws]
 
 
-def linear(x, w, mode: str, *, dtype=jnp.bfloat16, rac_ratio: float = 0.0, rac_sum: str = "fp16", backend=None):
+def linear(x, w, mode: str, *, dtype=jnp.bfloat16, rac_ratio: float = 0.0, rac_sum: str = "fp16", backend=None,
+           operand_dtype=None):
     """``x @ W.T`` for x [..., K] (or QuantizedRows [T, K]) and W [N, K] (float, NVFP4Tensor
     or FP8Tensor). ``w`` may be a list of weights that read the same x (q/k/v, gate/up):
-    the list of their outputs, from one kernel launch when they are NVFP4."""
+    the list of their outputs, from one kernel launch when they are NVFP4. Float products take
+    their operands in ``operand_dtype`` (default ``dtype``) and accumulate in FP32: the head
+    reads BF16 operands and returns FP32 logits."""
     ws, many = _weights(w)
     lead = x.shape[:-1]
     x2 = x if isinstance(x, pk.QuantizedRows) else x.reshape(-1, x.shape[-1])
@@ -213,18 +216,19 @@ def linear(x, w, mode: str, *, dtype=jnp.bfloat16, rac_ratio: float = 0.0, rac_s
                                   mode="w4a16" if mode == "w4a16" else "w4a4", backend=backend, out_dtype=dtype)
                   for g in launches), ())
     else:
-        ys = tuple(_linear_one(x2, wi, mode, dtype=dtype, backend=backend) for wi in ws)
+        ys = tuple(_linear_one(x2, wi, mode, dtype=dtype, backend=backend, operand_dtype=operand_dtype or dtype) for wi in ws)
     ys = [y.reshape(*lead, y.shape[-1]) for y in ys]
     return ys if many else ys[0]
 
 
-def _linear_one(x2, w, mode, *, dtype, backend):
+def _linear_one(x2, w, mode, *, dtype, backend, operand_dtype):
     if isinstance(w, nvfp4.NVFP4Tensor):
         raise ValueError("w: NVFP4 weights mixed with other weights in one linear call")
     if isinstance(w, fp8.FP8Tensor):
         return pk.fp8_matmul(x2.astype(jnp.bfloat16), w, backend=backend, out_dtype=dtype)
-    a, b = _float_operands(x2.astype(dtype), w, mode)
-    return jax.lax.dot_general(a.astype(dtype), b.astype(dtype), (((1,), (1,)), ((), ())),
+    od = operand_dtype
+    a, b = _float_operands(x2.astype(od), w, mode)
+    return jax.lax.dot_general(a.astype(od), b.astype(od), (((1,), (1,)), ((), ())),
                                preferred_element_type=jnp.float32).astype(dtype)
 
 

@@ -74,16 +74,25 @@ def expert_ffn(xs, w_gate, w_up, w_down, group_sizes, prec: P.Precision, dtype):
 
 
 def moe_ffn(x, ids, weights, w_gate, w_up, w_down, prec, dtype):
-    """Dropless MoE FFN for tokens x [N, d] with top-k ids/weights [N, k]."""
+    """Dropless MoE FFN for tokens x [N, d] with top-k ids/weights [N, k].
+
+    Rows move by permutations only: the N*k (token, slot) rows are permuted into expert order
+    and back (gathers of unique indices, whose gradients are permutations too), and each
+    token's k outputs are summed in slot order. No scatter-add, no [N*k, E] tensor."""
+    n, k = ids.shape
     n_experts = w_gate.shape[0]
     order, token, group_sizes = sort_by_expert(ids, n_experts)
     # NVFP4 rollouts quantize the N tokens once (per-token scales), not their N x k copies,
     # and the gate and up GEMMs share that: the same numbers as quantizing the sorted rows
     xin = P.quantize_rows_for(x, w_gate, prec.mode("experts"), rac_ratio=prec.rac_ratio, backend=prec.backend)
-    ys = expert_ffn(P.take_rows(xin, token), w_gate, w_up, w_down, group_sizes, prec, dtype)
-    ws = weights.reshape(-1)[order]
-    out = jnp.zeros((x.shape[0], ys.shape[-1]), jnp.float32).at[token].add(ys.astype(jnp.float32) * ws[:, None])
-    return out.astype(dtype)
+    if isinstance(xin, jax.Array):
+        xs = jnp.repeat(xin, k, axis=0).at[order].get(unique_indices=True)  # == xin[token]
+    else:
+        xs = P.take_rows(xin, token)
+    ys = expert_ffn(xs, w_gate, w_up, w_down, group_sizes, prec, dtype)
+    inv = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype), unique_indices=True)
+    y = ys.at[inv].get(unique_indices=True).reshape(n, k, -1).astype(jnp.float32)
+    return jnp.einsum("nkd,nk->nd", y, weights.astype(jnp.float32)).astype(dtype)
 
 
 class MoE(nnx.Module):

@@ -68,7 +68,8 @@ class Transformer(nnx.Module):
 
     def head(self, x, prec: P.Precision):
         """Logits in float32 for hidden states x [..., d] (after the final norm)."""
-        return P.linear(x, self.head_weight(), prec.mode("lm_head"), dtype=jnp.float32, backend=prec.backend)
+        return P.linear(x, self.head_weight(), prec.mode("lm_head"), dtype=jnp.float32, backend=prec.backend,
+                        operand_dtype=self.cfg.dtype)
 
     def forward(self, tokens, *, mask=None, positions=None, cache=None, precision=None, forced_experts=None, expert_fn=None,
                 head=True):
@@ -178,7 +179,7 @@ def token_logprobs(model: Transformer, tokens, mask=None, *, precision=None, for
     h, aux, _ = model.forward(tokens, mask=mask, precision=prec, forced_experts=forced_experts, head=False)
     b, t, d = h.shape
     mode = prec.mode("lm_head")
-    head_fn = lambda hc, w: P.linear(hc, w, mode, dtype=jnp.float32, backend=prec.backend)
+    head_fn = lambda hc, w: P.linear(hc, w, mode, dtype=jnp.float32, backend=prec.backend, operand_dtype=model.cfg.dtype)
     tok = chunked_logprobs(h[:, :-1].reshape(-1, d), model.head_weight(), tokens[:, 1:].reshape(-1), head_fn,
                            model.cfg.logits_chunk if chunk is None else chunk).reshape(b, t - 1)
     out = jnp.concatenate([jnp.zeros_like(tok[:, :1]), tok], axis=1)
