@@ -31,10 +31,10 @@ def test_tokamax_grouped_dot_fwd_bwd_equals_ragged_dot():
     x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((e, n, k)) * k**-0.5, jnp.bfloat16)
     ct = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
-    f = lambda impl: jax.jit(jax.value_and_grad(
+    # the gradients of <y, ct>: dx = ct_e @ W_e and dW_e = ct_e^T @ x_e, BF16 operands
+    f = lambda impl: jax.jit(jax.grad(
         lambda x, w: jnp.sum(pk.grouped_dot(x, w, gs, impl=impl).astype(jnp.float32) * ct), argnums=(0, 1)))
-    (lt, gt), (lr, gr) = f("tokamax")(x, w), f("xla")(x, w)
-    assert rel(lt, lr) < 1e-2
+    gt, gr = f("tokamax")(x, w), f("xla")(x, w)
     assert rel(pk.grouped_dot(x, w, gs, impl="tokamax"), pk.grouped_dot_xla(x, w, gs)) < 1e-2
     for a, b in zip(gt, gr):
         assert rel(a, b) < 1e-2
