@@ -264,7 +264,7 @@ def decode(measure, ceil, quick):
 
     from quads_jax import fp8, nvfp4 as F
     from pallas_kernels import fp8_matmul, nvfp4_matmul
-    from pallas_kernels.quantize_activations import quant_config
+    from pallas_kernels.quantizer import quant_config
     from quads_jax.precision import prepare_weight
 
     fused = lambda a: dataclasses.replace(quant_config(*a.shape), fused_amax=True)
@@ -401,7 +401,7 @@ def grouped(measure, tune=True):
     from dataclasses import replace as dc_replace
 
     from quads_jax import nvfp4 as F
-    from quads_jax.tiling import gemm_config
+    from pallas_kernels.tiling import gemm_config
     from pallas_kernels import nvfp4_grouped_matmul
 
     rows = []
@@ -505,7 +505,7 @@ def sweep(measure, copy_tbps=None, shapes=((16, 4096, 14336), (64, 2048, 768)), 
 
     from quads_jax import nvfp4 as F
     from pallas_kernels import backend as _backend
-    NM = importlib.import_module("pallas_kernels.nvfp4_matmul")  # the module (the package exports the function)
+    NM = importlib.import_module("pallas_kernels.gemm")
     from pallas_kernels import quantize_activations_rac
 
     rows = []
@@ -555,9 +555,9 @@ def triton_parity(measure):
 
     from quads_jax import nvfp4 as F
     from pallas_kernels import quantize_activations_rac
-    from pallas_kernels.triton_interop import triton_nvfp4_matmul
+    from rollout.sglang_plugin.jax_launch import triton_nvfp4_matmul
 
-    NM = importlib.import_module("pallas_kernels.nvfp4_matmul")  # the module (the package exports the function)
+    NM = importlib.import_module("pallas_kernels.gemm")
 
     rows = []
     rng = np.random.default_rng(5)
@@ -597,7 +597,7 @@ def torch_half(row, rho, x, w, xq, j_out):
     from rollout.sglang_plugin import numerics as N
     from rollout.sglang_plugin import triton_gemm as TG
 
-    NM = importlib.import_module("pallas_kernels.nvfp4_matmul")
+    NM = importlib.import_module("pallas_kernels.gemm")
     tw = torch.from_numpy(np.array(w.codes)).cuda()
     ts = torch.from_numpy(np.array(NM._bits(w.scales))).cuda()
     tgw = float(np.asarray(w.global_scale))
@@ -718,7 +718,7 @@ def triton_plugin_sass():
         import torch
 
         from rollout.sglang_plugin import triton_gemm as TG
-        from quads_jax.tiling import gemm_config
+        from pallas_kernels.tiling import gemm_config
 
         t, n, k = 16, 768, 2048
         z = lambda *shape: torch.zeros(shape, dtype=torch.uint8, device="cuda")
@@ -759,7 +759,7 @@ def quant_sweep(measure, shapes=((16, 4096), (64, 4096), (16, 2048), (1, 4096)))
     import jax.numpy as jnp
 
     from pallas_kernels import quantize_activations_rac
-    from pallas_kernels.quantize_activations import quant_config
+    from pallas_kernels.quantizer import quant_config
 
     out = {}
     rng = np.random.default_rng(3)

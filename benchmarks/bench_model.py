@@ -105,26 +105,20 @@ def agreement(ref, res):
     return {"tokens_before_first_difference": same / max(total, 1), "max_abs_logprob_diff": gap}
 
 
-def rollout(cfg, params, prompts, new_tokens, batch, recipes, out_dir, backends=("pallas", "xla"), profile=True,
-            paths=("fused",)):
-    """Output tok/s of each recipe and backend; ``paths`` (tiling.DECODE_PATH: "fused", "mgpu")
-    runs the Pallas backend once per decode-GEMM path, and each path's first batch is compared
-    with the first path's (the same seeds)."""
+def rollout(cfg, params, prompts, new_tokens, batch, recipes, out_dir, backends=("pallas", "xla"), profile=True):
+    """Output tok/s of each recipe and backend; each backend's first batch is compared with the
+    first backend's (the same seeds)."""
     from quads_jax import precision as P
-    from quads_jax import tiling
     from rollout.engine import Engine, Request
 
     rng = np.random.default_rng(0)
     reqs = [Request(prompt=rng.integers(3, cfg.vocab_size, 64).tolist(), max_new_tokens=new_tokens, seed=i, ignore_eos=True)
             for i in range(prompts)]
     out = RES.setdefault("rollout", {})
-    default_path = tiling.DECODE_PATH
-    runs = [(b, p) for b in backends for p in (paths if b == "pallas" else ("fused",))]
     for recipe in recipes:
         first = {}
-        for backend, path in ([("xla", "fused")] if recipe in ("bf16", "fp8") else runs):
-            key = f"{recipe}/{backend}" + ("" if path == "fused" else f"/{path}")
-            tiling.DECODE_PATH = path
+        for backend in (("xla",) if recipe in ("bf16", "fp8") else backends):
+            key = f"{recipe}/{backend}"
             try:
                 eng = Engine(cfg, recipe=P.rollout_recipe(recipe, backend=backend), max_batch=batch, max_len=64 + new_tokens)
                 eng.load(params)
@@ -146,8 +140,6 @@ def rollout(cfg, params, prompts, new_tokens, batch, recipes, out_dir, backends=
             except Exception as e:
                 out[key] = {"error": f"{type(e).__name__}: {e}"[:600]}
                 traceback.print_exc()
-            finally:
-                tiling.DECODE_PATH = default_path
             print(key, out[key], flush=True)
             json.dump(RES, open(os.path.join(out_dir, "model.json"), "w"), indent=1, default=str)  # keep partial results
     return out
@@ -165,7 +157,7 @@ def markdown(res):
                   f"peak memory {fb['peak_bytes_in_use_GiB']:.1f} GiB", ""]
     ro = res.get("rollout")
     if ro:
-        lines += [f"## Rollout decode ({res['rollout_setup']})", "", "| recipe/backend[/path] | output tok/s | step kernels us | agreement |", "|---|---|---|---|"]
+        lines += [f"## Rollout decode ({res['rollout_setup']})", "", "| recipe/backend | output tok/s | step kernels us | agreement |", "|---|---|---|---|"]
         for k, v in ro.items():
             step = v.get("step_kernels_us", {}).get("total")
             agree = next((f"{a[len('agreement_with_'):]}: {g['tokens_before_first_difference']:.3f} equal, "
@@ -192,7 +184,6 @@ def main():
     ap.add_argument("--skip-rollout", action="store_true", help="only the train-step section")
     ap.add_argument("--recipes", default="bf16,fp8,nvfp4,quads,w4a16")
     ap.add_argument("--backends", default="pallas,xla", help="kernel backends of the NVFP4 recipes")
-    ap.add_argument("--paths", default="fused", help="decode-GEMM paths of the Pallas backend (tiling.PATHS: fused,mgpu)")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     RES.update(date=datetime.date.today().isoformat(), device=jax.devices()[0].device_kind, jax=jax.__version__)
@@ -222,7 +213,7 @@ def run_rollout_section(a, cfg, params):
             params = split_params(Transformer(cfg, rngs=nnx.Rngs(0)))[1]
         RES["rollout_setup"] = f"{a.prompts} prompts x {a.new_tokens} new tokens, batch {a.decode_batch}, prompt 64"
         RES["rollout"] = rollout(cfg, params, a.prompts, a.new_tokens, a.decode_batch, a.recipes.split(","), a.out,
-                                 backends=tuple(a.backends.split(",")), paths=tuple(a.paths.split(",")))
+                                 backends=tuple(a.backends.split(",")))
     except Exception as e:
         RES["errors"]["rollout"] = f"{type(e).__name__}: {e}"[:2000]
         traceback.print_exc()

@@ -92,8 +92,8 @@ def cases(override=None):
     import pallas_kernels as pk
     from quads_jax import nvfp4
 
-    NM = sys.modules["pallas_kernels.nvfp4_matmul"]
-    NG = sys.modules["pallas_kernels.nvfp4_grouped_matmul"]
+    NM = sys.modules["pallas_kernels.gemm"]
+    NG = sys.modules["pallas_kernels.grouped_gemm"]
     gw1 = (jnp.ones((1,), jnp.float32),)
 
     def dense(t, n, k, rho, rac_sum="fp16"):
@@ -145,7 +145,7 @@ def quant_cases(shapes=((16, 4096), (64, 4096), (16, 2048), (1, 4096))):
     import jax
     import jax.numpy as jnp
 
-    QA = importlib.import_module("pallas_kernels.quantize_activations")  # the package exports a function of that name
+    QA = importlib.import_module("pallas_kernels.quantizer")
 
     for t, k in shapes:
         x = jnp.ones((t, k), jnp.bfloat16)

@@ -37,7 +37,7 @@ try:
 
     from quads_jax import nvfp4 as F
     from pallas_kernels import nvfp4_matmul, quantize_activations_rac
-    from pallas_kernels.triton_interop import triton_nvfp4_matmul
+    from rollout.sglang_plugin.jax_launch import triton_nvfp4_matmul
 
     rng = np.random.default_rng(0)
     w = F.quantize(jnp.asarray(rng.standard_normal((768, 2048)).astype(np.float32)))

@@ -10,13 +10,13 @@ argument), never process state.
 
 from pallas_kernels.attention import attention_xla, causal_attention, causal_attention_xla
 from pallas_kernels.config import BACKENDS, KernelConfig
-from pallas_kernels.grouped_dot import grouped_dot, grouped_dot_xla
-from pallas_kernels.fp8_matmul import fp8_grouped_matmul, fp8_matmul
-from pallas_kernels.nvfp4_decode import DecodeConfig, nvfp4_block_values, nvfp4_block_values_xla
-from pallas_kernels.nvfp4_grouped_matmul import nvfp4_grouped_matmul, nvfp4_grouped_matmul_xla
-from pallas_kernels.nvfp4_matmul import GemmConfig, gemm_config, nvfp4_matmul, nvfp4_matmul_xla
+from pallas_kernels.float_grouped import grouped_dot, grouped_dot_xla
+from pallas_kernels.fp8_gemm import fp8_grouped_matmul, fp8_matmul
+from pallas_kernels.decode import DecodeConfig, nvfp4_block_values, nvfp4_block_values_xla
+from pallas_kernels.grouped_gemm import nvfp4_grouped_matmul, nvfp4_grouped_matmul_xla
+from pallas_kernels.gemm import GemmConfig, gemm_config, nvfp4_matmul, nvfp4_matmul_xla
 from pallas_kernels.rac import RAC_MODES, RAC_SUMS
-from pallas_kernels.quantize_activations import (QuantConfig, QuantizedRows, quantize_activations, quantize_activations_rac,
+from pallas_kernels.quantizer import (QuantConfig, QuantizedRows, quantize_activations, quantize_activations_rac,
                                                  quantize_operand, quantize_rows)
 
 __all__ = [

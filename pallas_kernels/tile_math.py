@@ -335,26 +335,20 @@ def to_word_parts_order(v, bk: int):
     return jnp.swapaxes(g, 2, 3).reshape(t, k)
 
 
-OPERAND_ORDERS = ("plain", "words", "fragment")
+OPERAND_ORDERS = ("plain", "words")
 
 
 def operand_columns(ch, order):
     """Where channel ``ch`` (int32 array) of a token operand goes in ``order`` = (kind, tile):
-    "plain" keeps it; ("words", bk) is ``to_word_parts_order(v, bk)``; ("fragment", tile_k)
-    is the Mosaic GPU GEMM's ``nvfp4_matmul_mgpu.to_fragment_order`` (column 8 (4 u + t) +
-    2 c + v of a tile holds channel 8 (c W + u) + q, W = tile / 32, the word's pair t holding
-    codes q = (t & 1) + 4 (t >> 1) + 2 v). Integer operations only: kernels scatter with it."""
+    "plain" keeps it; ("words", bk) is ``to_word_parts_order(v, bk)``. Integer operations
+    only: kernels scatter with it."""
     kind, tile = order
     if kind not in OPERAND_ORDERS or tile & (tile - 1):
         raise ValueError(f"order={order!r}: expected (one of {OPERAND_ORDERS}, a power-of-two tile)")
     if kind == "plain":
         return ch
     base, q, g = ch - (ch & (tile - 1)), ch & 7, (ch & (tile - 1)) >> 3
-    if kind == "words":  # part p = WORD_CHANNELS.index(q), then the group
-        return base + ((q >> 1) + 4 * (q & 1)) * (tile // 8) + g
-    w = tile // 32
-    c, u = g // w, g & (w - 1)
-    return base + 8 * (4 * u + (q & 1) + 2 * (q >> 2)) + 2 * c + ((q >> 1) & 1)
+    return base + ((q >> 1) + 4 * (q & 1)) * (tile // 8) + g  # part p = WORD_CHANNELS.index(q), then the group
 
 
 def decode_words(words, scale_bits, rows, bk, interpret=False, dtype=jnp.bfloat16):

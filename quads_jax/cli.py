@@ -42,37 +42,14 @@ def _table(rows: list[dict], cols: list[str]) -> str:
     return head + "".join("| " + " | ".join(fmt(r.get(c, "")) for c in cols) + " |\n" for r in rows)
 
 
-def _base_policy(cfg, out_dir):
-    """SFT warm start, cached in OUT/base (a rerun reuses it)."""
-    from quads_jax.rl import loop
-    from quads_jax.train.checkpoint import Checkpointer
-    from quads_jax.train.state import split_params
-    from quads_jax.model import Transformer
-    from quads_jax.rl.tokenizer import CharTokenizer
-    from flax import nnx
-
-    base = os.path.join(out_dir, "base")
-    mcfg = cfg.model.replace(vocab_size=max(cfg.model.vocab_size, CharTokenizer().vocab_size))
-    graphdef, like, _ = split_params(nnx.eval_shape(lambda: Transformer(mcfg, rngs=nnx.Rngs(0))))
-    ck = Checkpointer(base, save_every=1, max_to_keep=1, async_save=False)
-    if ck.latest_step() is not None:
-        print(f"[quads] reusing the SFT base policy in {base}")
-        params = ck.restore_params(like)
-    else:
-        graphdef, params, mcfg = loop.run_sft(cfg, out_dir)
-        ck.save_params(params, step=1)
-        ck.wait()
-    ck.close()
-    return graphdef, params, mcfg
-
-
 def cmd_train(a):
+    from quads_jax.rl.loop import base_policy
     from quads_jax.rl import loop
     from quads_jax.plot import plot_runs
 
     cfg = loop.JobConfig.load(a.config, _overrides(a.set))
     os.makedirs(a.out, exist_ok=True)
-    graphdef, params, mcfg = _base_policy(cfg, a.out)
+    graphdef, params, mcfg = base_policy(cfg, a.out)
     _, hist = loop.run_grpo(cfg, graphdef, params, mcfg, a.out, checkpoint_every=a.checkpoint_every)
     s = loop.summarize(hist)
     s["recipe"] = cfg.rl.recipe
@@ -84,20 +61,22 @@ def cmd_train(a):
 
 
 def cmd_sft(a):
+    from quads_jax.rl.loop import base_policy
     from quads_jax.rl import loop
 
     cfg = loop.JobConfig.load(a.config, _overrides(a.set))
-    _base_policy(cfg, a.out)
+    base_policy(cfg, a.out)
     print(f"base policy in {os.path.join(a.out, 'base')}")
 
 
 def cmd_compare(a):
+    from quads_jax.rl.loop import base_policy
     from quads_jax.rl import loop
     from quads_jax.plot import plot_runs
 
     recipes = a.recipes.split(",")
     cfg0 = loop.JobConfig.load(a.config, _overrides(a.set))
-    graphdef, params, mcfg = _base_policy(cfg0, a.out)
+    graphdef, params, mcfg = base_policy(cfg0, a.out)
     rows, dirs = [], []
     for r in recipes:
         cfg = loop.JobConfig.load(a.config, {**_overrides(a.set), "rl.recipe": r})

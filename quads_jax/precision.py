@@ -14,7 +14,7 @@ Modes, acting on float (master) weights, used by the trainer:
 
 Modes acting on weights prepared once by ``prepare_weight`` (the rollout engine):
 
-    w4a4      NVFP4 weights and activations through ``pallas_kernels.nvfp4_matmul``;
+    w4a4      NVFP4 weights and activations through ``pallas_kernels.gemm``;
               with ``rac_ratio > 0`` the residual activation compensation of QUADS
     w4a16     NVFP4 weights, BF16 activations
     fp8       real FP8 weights and activations through the FP8 dot
@@ -28,14 +28,13 @@ numbers do not depend on what it is batched with.
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 import pallas_kernels as pk
-from quads_jax import fp8, nvfp4, tiling
+from quads_jax import fp8, nvfp4
 from quads_jax.config_util import build
 
 KINDS = ("attn", "experts", "shared", "dense", "router", "lm_head")
@@ -151,13 +150,11 @@ def fake_quant_weight(w):
 
 def prepare_weight(w, mode: str):
     """Convert a float weight once for the rollout mode (``w4a4``/``w4a16`` -> NVFP4Tensor,
-    ``fp8`` -> FP8Tensor per output channel, else unchanged). NVFP4 codes are stored the way
-    the default GEMM decode reads them (``tiling.DEFAULT_DECODE``: bytes, or code words)."""
+    ``fp8`` -> FP8Tensor per output channel, else unchanged). NVFP4 codes are stored as
+    uint32 code words of 8 (``nvfp4.code_words``: the same bytes), which every GEMM reads."""
     if mode in ("w4a4", "w4a16"):
         t = quantize_weight(jnp.asarray(w, jnp.float32))
-        if tiling.DEFAULT_DECODE == "words" and t.codes.shape[-1] % 4 == 0:
-            t = dataclasses.replace(t, codes=nvfp4.code_words(t.codes))
-        return t
+        return dataclasses.replace(t, codes=nvfp4.code_words(t.codes))
     if mode == "fp8":
         t = fp8.quantize(jnp.asarray(w, jnp.float32), axis=-1)
         return fp8.to_kn(t) if t.values.ndim == 3 else t  # experts: ragged_dot's layout, no transpose a call
@@ -183,21 +180,16 @@ def _float_operands(x, w, mode: str):
 # ----------------------------------------------------------------------------- linears
 
 
-# weights that read one input (q/k/v, gate/up) go to the NVFP4 GEMMs together, one launch;
-# QUADS_FUSE_SHARED_INPUT=0 launches them one by one (same numbers; for benchmarks)
-FUSE_SHARED_INPUT = os.environ.get("QUADS_FUSE_SHARED_INPUT", "1") != "0"
-
-
 def _weights(w):
     return (tuple(w), True) if isinstance(w, (tuple, list)) else ((w,), False)
 
 
 def _nvfp4_launches(ws):
-    """The groups of NVFP4 weights launched together (all at once, or one by one with
-    FUSE_SHARED_INPUT off), or None when the weights are not NVFP4."""
+    """The groups of NVFP4 weights launched together: weights that read one input (q/k/v,
+    gate/up) go to the NVFP4 GEMM in one launch. None when the weights are not NVFP4."""
     if not all(isinstance(wi, nvfp4.NVFP4Tensor) for wi in ws):
         return None
-    return [ws] if FUSE_SHARED_INPUT else [(wi,) for wi in ws]
+    return [ws]
 
 
 def linear(x, w, mode: str, *, dtype=jnp.bfloat16, rac_ratio: float = 0.0, rac_sum: str = "fp16", backend=None,

@@ -97,6 +97,16 @@ def test_pallas_nvfp4_matmul_equals_xla(t, rac):
     assert rel(a, b) < 2e-3  # the same FP32 products summed in another order, rounded to BF16
 
 
+def test_one_launch_over_weights_sharing_an_input_equals_xla():
+    """q/k/v and gate/up: several NVFP4 weights in one Pallas launch, each equal to XLA's."""
+    rng = np.random.default_rng()
+    x = jnp.asarray(rng.standard_normal((16, 1024)), jnp.bfloat16)
+    ws = [P.prepare_weight(jnp.asarray(rng.standard_normal((n, 1024)) * 1024**-0.5, jnp.float32), "w4a4") for n in (512, 128, 128)]
+    got = pk.nvfp4_matmul(x, ws, rac_ratio=0.5, act_scale="token", backend="pallas")
+    for g, w in zip(got, ws):
+        assert rel(g, pk.nvfp4_matmul(x, w, rac_ratio=0.5, act_scale="token", backend="xla")) < 2e-3
+
+
 @pytest.mark.parametrize("t", [16, 256])
 def test_pallas_quantizer_is_bit_identical_to_xla(t):
     rng = np.random.default_rng()

@@ -240,14 +240,13 @@ def test_word_decode_steps_and_layout_equal_the_format():
         pk.GemmConfig(block_m=16, block_n=32, block_k=64, decode="words")
 
 
-def test_decode_tiles_follow_the_measured_choices(monkeypatch):
-    """The decode-size heuristic (quads_jax.tiling.gemm_config, run-12 measurements): the
+def test_decode_tiles_follow_the_measured_choices():
+    """The decode-size heuristic (pallas_kernels.tiling.gemm_config, run-12 measurements): the
     word decode at 128-wide tiles, stacked RAC rows or not; the prmt decode at 64-wide tiles
     for 16 tokens and for stacked rows; the grouped GEMM at 64-wide tiles, activation values
-    with words and codes with prmt; K tiles the word decode cannot split fall back to prmt."""
-    from quads_jax import tiling
+    with words; K tiles the word decode cannot split fall back to prmt."""
+    from pallas_kernels import tiling
 
-    monkeypatch.setattr(tiling, "DEFAULT_DECODE", "words")
     for t, stacked in ((16, False), (64, False), (64, True)):
         c = tiling.gemm_config(t, 14336, 4096, stacked=stacked)
         assert (c.decode, c.block_n, c.act_load, c.swap_ab) == ("words", 128, "values", True)
@@ -260,11 +259,11 @@ def test_decode_tiles_follow_the_measured_choices(monkeypatch):
     g = tiling.gemm_config(8, 768, 2048, programs_per_row_tile=64)
     assert (g.decode, g.block_n, g.act_load) == ("words", 64, "values")
     assert tiling.gemm_config(16, 768, 96).decode == "prmt"  # K tile 32
-    monkeypatch.setattr(tiling, "DEFAULT_DECODE", "prmt")
-    assert [tiling.gemm_config(t, 14336, 4096, stacked=s).block_n for t, s in ((16, False), (64, False), (64, True))] == [64, 128, 64]
-    assert tiling.gemm_config(8, 768, 2048, programs_per_row_tile=64).act_load == "codes"
+    assert tiling.gemm_config(8, 768, 96, programs_per_row_tile=64).act_load == "codes"  # prmt reads codes
+    # the split follows the device's multiprocessors (here given): fewer SMs, less split
+    assert tiling.gemm_config(16, 768, 2048, num_sms=16).split_k < small.split_k
     # the stacked rows follow rac_sum: only "exact" stacks
-    from pallas_kernels.nvfp4_matmul import stacks_residual
+    from pallas_kernels.gemm import stacks_residual
     assert stacks_residual("w4a4", 0.5, "exact") and not stacks_residual("w4a4", 0.5, "fp16")
     assert not stacks_residual("w4a4", 0.0, "exact") and not stacks_residual("w4a16", 0.0, "exact")
     x = jnp.ones((4, 64), jnp.bfloat16)
@@ -401,7 +400,7 @@ def test_quantizer_row_split_is_bit_identical(rng, act_scale, rac_mode):
 
 
 def test_quant_config_splits_rows_at_decode_sizes():
-    from pallas_kernels.quantize_activations import quant_config
+    from pallas_kernels.quantizer import quant_config
 
     assert [quant_config(t, 4096).parts for t in (1, 16, 64, 128, 4096)] == [16, 8, 2, 1, 1]
     assert quant_config(16, 2048).parts == 8 and quant_config(16, 1024).parts == 4  # each part owns >= 256 channels
@@ -454,12 +453,11 @@ def test_weights_sharing_an_input_one_launch_equal_separate_products(rng, kw):
 
 
 def test_operand_columns_invert_the_gemms_channel_orders(rng):
-    from pallas_kernels.nvfp4_matmul_mgpu import to_fragment_order
     from pallas_kernels.tile_math import operand_columns, to_word_parts_order
 
     v = rng.standard_normal((3, 1024)).astype(np.float32)
     for order, want in ((("plain", 16), v), (("words", 128), to_word_parts_order(jnp.asarray(v), 128)),
-                        (("words", 256), to_word_parts_order(jnp.asarray(v), 256)), (("fragment", 256), to_fragment_order(jnp.asarray(v)))):
+                        (("words", 256), to_word_parts_order(jnp.asarray(v), 256))):
         cols = np.asarray(operand_columns(np.arange(1024), order))
         out = np.full_like(v, np.nan)
         out[:, cols] = v  # channel ch goes to column cols[ch]
@@ -473,14 +471,14 @@ def test_quantizer_writes_the_gemm_operand_bit_identical(rng, rho):
     """``quantize_operand``: the FP16 token operand (block values, or RAC's FP16 sum) in each
     GEMM's channel order and padded rows, straight from the kernel: the XLA reference's bits,
     which are ``rac.token_operand`` of the quantized rows, reordered."""
-    from pallas_kernels.quantize_activations import quantize_operand
+    from pallas_kernels.quantizer import quantize_operand
     from pallas_kernels.tile_math import operand_columns
 
     x = jnp.asarray(heavy(rng, (13, 512))).astype(jnp.bfloat16).at[5].set(0.0)
     xq, rq = pk.quantize_activations_rac(x, rac_ratio=rho, act_scale="token", backend="xla")
     plain = np.asarray(rac.token_operand(xq, rq if rho else None)).view(np.uint16)
     for order, rows, cfg in ((("plain", 16), 13, None), (("words", 128), 13, pk.QuantConfig(chunk=128, parts=2)),
-                             (("fragment", 256), 16, pk.QuantConfig(chunk=64, parts=4))):
+                             (("words", 256), 16, pk.QuantConfig(chunk=64, parts=4))):
         a, ga = quantize_operand(x, rac_ratio=rho, order=order, rows=rows, backend="xla")
         b, gb = quantize_operand(x, rac_ratio=rho, order=order, rows=rows, backend="pallas", config=cfg)
         assert b.dtype == jnp.float16 and b.shape == (rows, 512) and gb.shape == (13, 1)
@@ -493,30 +491,27 @@ def test_quantizer_writes_the_gemm_operand_bit_identical(rng, rho):
 
 
 @pytest.mark.parametrize("t,rho", [(1, 0.5), (19, 0.0)])
-def test_gemm_operand_from_the_quantizer_equals_the_codes_path(rng, monkeypatch, t, rho):
+def test_gemm_operand_from_the_quantizer_equals_the_codes_path(rng, t, rho):
     """With BF16 activations, per-token scales and the FP16 RAC sum, the GEMM takes its token
-    operand from the quantizer (fused path, words or prmt decode; Mosaic GPU path): the same
-    output bits as the operand decoded from codes by XLA, and the XLA backend's numbers."""
+    operand from the quantizer (word and byte decodes): the same output bits as the codes path
+    (rows quantized beforehand, decoded in the GEMM), and the XLA backend's numbers."""
     import dataclasses
     import importlib
 
-    NM = importlib.import_module("pallas_kernels.nvfp4_matmul")  # the package exports a function of that name
+    NM = importlib.import_module("pallas_kernels.gemm")
     x = jnp.asarray(heavy(rng, (t, 512))).astype(jnp.bfloat16)
     w = [nvfp4.quantize(jnp.asarray(rng.standard_normal((n, 512)).astype(np.float32))) for n in (128, 64)]
     base = pk.gemm_config(t, 192, 512)
     ref = pk.nvfp4_matmul(x, w, rac_ratio=rho, act_scale="token", backend="xla", out_dtype=jnp.float32)
-    for cfg in (base, dataclasses.replace(base, decode="prmt"), dataclasses.replace(base, path="mgpu")):
+    rows = pk.quantize_rows(x, rac_ratio=rho, backend="pallas")
+    for cfg in (base, dataclasses.replace(base, decode="prmt")):
         assert NM.operand_order(x, cfg, mode="w4a4", rac_ratio=rho, rac_mode="token", rac_sum="fp16", act_scale="token") is not None
-        call = lambda: pk.nvfp4_matmul(x, w, rac_ratio=rho, act_scale="token", backend="pallas", config=cfg, out_dtype=jnp.float32)
-        got = call()
-        monkeypatch.setattr(NM, "OPERAND_FROM_QUANTIZER", False)
-        codes_path = call()
-        monkeypatch.setattr(NM, "OPERAND_FROM_QUANTIZER", True)
+        call = lambda a: pk.nvfp4_matmul(a, w, rac_ratio=rho, act_scale="token", backend="pallas", config=cfg, out_dtype=jnp.float32)
+        got, codes_path = call(x), call(rows)
         for g, c, r in zip(got, codes_path, ref):
             np.testing.assert_array_equal(np.asarray(g), np.asarray(c), err_msg=f"{cfg}")
             assert rel(g, r) < 1e-5
     # where the GEMM needs codes or rows quantized beforehand, the quantizer writes codes
-    rows = pk.quantize_rows(x, rac_ratio=rho, backend="pallas")
     assert NM.operand_order(rows, base, mode="w4a4", rac_ratio=rho, rac_mode="token", rac_sum="fp16", act_scale="token") is None
     assert NM.operand_order(x, base, mode="w4a4", rac_ratio=0.5, rac_mode="token", rac_sum="exact", act_scale="token") is None
     assert NM.operand_order(x, base, mode="w4a4", rac_ratio=rho, rac_mode="token", rac_sum="fp16", act_scale="tensor") is None

@@ -189,7 +189,7 @@ def test_import_jax_triton_keeps_the_triton_cache_dir(monkeypatch, tmp_path):
     import sys
     import types
 
-    from pallas_kernels import triton_interop
+    from rollout.sglang_plugin import jax_launch as triton_interop
 
     fake = types.ModuleType("jax_triton")
     monkeypatch.setitem(sys.modules, "jax_triton", fake)

@@ -50,18 +50,6 @@ def linears(x, mods, prec: P.Precision, dtype):
                     rac_sum=prec.rac_sum, backend=prec.backend)
 
 
-def shared_input(x, first: Linear, prec: P.Precision):
-    """x for several linears of the same kind (q/k/v, gate/up). Their NVFP4 GEMMs run in one
-    launch (``P.FUSE_SHARED_INPUT``), which quantizes x once itself (at decode sizes the
-    quantizer writes the GEMM's token operand directly): x itself. Launched one by one under
-    an NVFP4 W4A4 rollout recipe, x quantized once here ([T, K] QuantizedRows)."""
-    if P.FUSE_SHARED_INPUT:
-        return x
-    xin = P.quantize_rows_for(x.reshape(-1, x.shape[-1]), value(first.w), prec.mode(first.kind), rac_ratio=prec.rac_ratio,
-                              backend=prec.backend)
-    return xin if isinstance(xin, pk.QuantizedRows) else x
-
-
 class RMSNorm(nnx.Module):
     def __init__(self, dim: int, eps: float, *, rngs: nnx.Rngs, axis_name="norm"):
         self.eps = eps
@@ -124,8 +112,7 @@ class Attention(nnx.Module):
         cfg = self.cfg
         b, t, _ = x.shape
         dt = cfg.dtype
-        xin = shared_input(x, self.q, prec)  # q, k and v read the same activations
-        q, k, v = linears(xin, (self.q, self.k, self.v), prec, dt)
+        q, k, v = linears(x, (self.q, self.k, self.v), prec, dt)  # one launch under NVFP4: x quantized once
         q = q.reshape(b, t, cfg.n_heads, cfg.head_dim)
         k = k.reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
         v = v.reshape(b, t, cfg.n_kv_heads, cfg.head_dim)
@@ -158,8 +145,7 @@ class MLP(nnx.Module):
         self.down = Linear(f, d, kind, ("embed", "mlp"), rngs=rngs, dtype=pd, scale=(f * 2 * cfg.n_layers) ** -0.5)
 
     def __call__(self, x, prec, dtype):
-        xin = shared_input(x, self.gate, prec)
-        g, u = linears(xin, (self.gate, self.up), prec, dtype)
+        g, u = linears(x, (self.gate, self.up), prec, dtype)
         h = jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)
         h = h.reshape(*x.shape[:-1], h.shape[-1])
         return self.down(h.astype(dtype), prec, dtype)

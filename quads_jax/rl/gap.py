@@ -52,13 +52,12 @@ def measure_gaps(cfg, params, *, prompts=None, n_prompts=32, max_new_tokens=32, 
 
 def run_gap(config_path: str, out_dir: str, overrides=None):
     """``quads gap``: the base policy of the config (SFT'd, cached in OUT/base) on task prompts."""
-    from quads_jax.cli import _base_policy
     from quads_jax.rl import loop
     from quads_jax.rl.tokenizer import CharTokenizer
 
     cfg = loop.JobConfig.load(config_path, overrides)
     os.makedirs(out_dir, exist_ok=True)
-    graphdef, params, mcfg = _base_policy(cfg, out_dir)
+    graphdef, params, mcfg = loop.base_policy(cfg, out_dir)
     tok = CharTokenizer()
     probs = loop.make_task(cfg).split("test", cfg.rl.eval_n, cfg.seed)
     prompts = [D.prompt_ids(tok, p.prompt) for p in probs]

@@ -318,3 +318,26 @@ def summarize(history: list[dict]) -> dict:
         "k3_kl_avg": float(np.mean([h["k3_kl"] for h in rows])) if rows else float("nan"),
         "tokens_per_s": float(np.mean([h["tokens_per_s"] for h in rows[1:] or rows])) if rows else float("nan"),
     }
+
+
+def base_policy(cfg, out_dir):
+    """SFT warm start, cached in OUT/base (a rerun reuses it)."""
+    from quads_jax.train.checkpoint import Checkpointer
+    from quads_jax.train.state import split_params
+    from quads_jax.model import Transformer
+    from quads_jax.rl.tokenizer import CharTokenizer
+    from flax import nnx
+
+    base = os.path.join(out_dir, "base")
+    mcfg = cfg.model.replace(vocab_size=max(cfg.model.vocab_size, CharTokenizer().vocab_size))
+    graphdef, like, _ = split_params(nnx.eval_shape(lambda: Transformer(mcfg, rngs=nnx.Rngs(0))))
+    ck = Checkpointer(base, save_every=1, max_to_keep=1, async_save=False)
+    if ck.latest_step() is not None:
+        print(f"[quads] reusing the SFT base policy in {base}")
+        params = ck.restore_params(like)
+    else:
+        graphdef, params, mcfg = run_sft(cfg, out_dir)
+        ck.save_params(params, step=1)
+        ck.wait()
+    ck.close()
+    return graphdef, params, mcfg

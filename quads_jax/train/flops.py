@@ -3,12 +3,10 @@
 Training FLOPs per token = 6 * active parameters (forward + backward matmuls) plus the
 attention scores and values, 12 * layers * heads * head_dim * context (the PaLM appendix
 convention; causal masking is not discounted). Peak: the dense BF16 tensor-core rate of
-known devices, or ``QUADS_PEAK_FLOPS`` (e.g. for a CPU, where there is no fixed number).
+known devices, or the ``peak`` a caller passes (e.g. one measured in the same process).
 """
 
 from __future__ import annotations
-
-import os
 
 import jax
 
@@ -22,9 +20,7 @@ def flops_per_token(cfg, seq_len: int, *, training: bool = True) -> float:
 
 
 def peak_flops(device=None) -> float | None:
-    env = os.environ.get("QUADS_PEAK_FLOPS")
-    if env:
-        return float(env)
+    """The datasheet dense BF16 rate of a known device, None elsewhere (a CPU)."""
     kind = (device or jax.devices()[0]).device_kind
     for name, v in PEAK_BF16.items():
         if name.lower() in kind.lower():
@@ -32,7 +28,7 @@ def peak_flops(device=None) -> float | None:
     return None
 
 
-def mfu(tokens_per_s: float, cfg, seq_len: int, device=None) -> float:
-    """Fraction of the peak; NaN where the peak is unknown (CPU without QUADS_PEAK_FLOPS)."""
-    peak = peak_flops(device)
+def mfu(tokens_per_s: float, cfg, seq_len: int, device=None, peak: float | None = None) -> float:
+    """Fraction of ``peak`` (default: the device's datasheet rate); NaN where it is unknown."""
+    peak = peak or peak_flops(device)
     return float("nan") if not peak else tokens_per_s * flops_per_token(cfg, seq_len) / peak

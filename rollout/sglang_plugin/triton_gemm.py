@@ -7,7 +7,7 @@ The operands are packed NVFP4: codes uint8 [rows, K/2] (channel 2j in the low ni
 E4M3 block-scale bit patterns uint8 [rows, K/16], for the activations (Xq), the selected
 residual (Rq, optional) and the weight (Wq, the ModelOpt ``weight`` / ``weight_scale``),
 with per-row activation global scales gx [T] and the weight's ``weight_scale_2`` gw [1].
-It is the Pallas kernel's algorithm (``pallas_kernels/nvfp4_matmul.py``): a K-tile splits
+It is the Pallas kernel's algorithm (``pallas_kernels/gemm.py``): a K-tile splits
 into its even and odd channels, each code is decoded to BF16 from its bits and multiplied
 by its block scale (exact), and one decoded weight tile feeds both BF16 MMAs. The
 activation quantizer is ``numerics.packed_operands`` (torch) or ``quantize_activations_rac``
@@ -25,7 +25,7 @@ import os
 import triton
 import triton.language as tl
 
-from quads_jax.tiling import GemmConfig, gemm_config
+from rollout.sglang_plugin.tiles import TritonTiles, pick_tiles
 
 RESIDUAL_SCALE_FACTOR = 0.25
 
@@ -162,7 +162,7 @@ def check_packed(name, codes, scales, rows, k):
 
 
 def w4a4_rac_gemm(x_codes, x_scales, gx, w_codes, w_scales, gw, r_codes=None, r_scales=None, *,
-                  out_dtype=None, config: GemmConfig | None = None):
+                  out_dtype=None, config: TritonTiles | None = None):
     """Packed NVFP4 activations [T, K] (and residual) times the packed weight [N, K] -> [T, N].
 
     ``gx``: [T] or [T, 1] float32 per-token global scales; ``gw``: the weight's float32 global
@@ -179,7 +179,7 @@ def w4a4_rac_gemm(x_codes, x_scales, gx, w_codes, w_scales, gw, r_codes=None, r_
     has_rac = r_codes is not None
     if has_rac:
         check_packed("r", r_codes, r_scales, t, k)
-    cfg = config or gemm_config(t, n, k)
+    cfg = config or pick_tiles(t, n, k)
     gx = gx.reshape(t).to(torch.float32).contiguous()
     gw = torch.as_tensor(gw, dtype=torch.float32, device=x_codes.device).reshape(1)
     dtype = out_dtype if cfg.split_k == 1 else torch.float32
@@ -196,14 +196,14 @@ def w4a4_rac_gemm(x_codes, x_scales, gx, w_codes, w_scales, gw, r_codes=None, r_
 
 
 def quads_linear_triton(x, weight, weight_scale, weight_scale_2, *, rac_ratio: float = 0.5, out_dtype=None,
-                        config: GemmConfig | None = None):
+                        config: TritonTiles | None = None):
     """``numerics.quads_linear`` (w4a4) with the GEMM in the Triton kernel."""
     import torch
 
     from rollout.sglang_plugin.numerics import packed_operands
 
-    cfg = config or gemm_config(x.shape[0], weight.shape[0], x.shape[-1])
-    if cfg.path == "dequant":  # prefill sizes: decode once, then the dense BF16 dot (cuBLAS)
+    cfg = config or pick_tiles(x.shape[0], weight.shape[0], x.shape[-1])
+    if cfg.dequant:  # prefill sizes: decode once, then the dense BF16 dot (cuBLAS)
         from rollout.sglang_plugin.numerics import quads_linear
 
         return quads_linear(x, weight, weight_scale, weight_scale_2, rac_ratio=rac_ratio, out_dtype=out_dtype or torch.bfloat16)

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from quads_jax import fp8
-from pallas_kernels.nvfp4_grouped_matmul import check_group_sizes, expert_of_rows
+from pallas_kernels.grouped_gemm import check_group_sizes, expert_of_rows
 
 
 def _check(x, w: fp8.FP8Tensor, ndim: int):

@@ -24,7 +24,7 @@ from jax.experimental.pallas import triton as plgpu
 from quads_jax import nvfp4
 from pallas_kernels.config import interpret_mode, resolve_backend
 from pallas_kernels.tile_math import pad_axis
-from pallas_kernels.nvfp4_matmul import (
+from pallas_kernels.gemm import (
     GemmConfig,
     _bits,
     _check_args,

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
@@ -46,22 +45,17 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from quads_jax import nvfp4
-from quads_jax.tiling import GemmConfig, gemm_config  # noqa: F401  (re-exported)
+from pallas_kernels.tiling import GemmConfig, gemm_config  # noqa: F401  (re-exported)
 from pallas_kernels.config import interpret_mode, resolve_backend
-from pallas_kernels import nvfp4_matmul_mgpu as mgpu
 from pallas_kernels import rac
-from pallas_kernels.nvfp4_decode import nvfp4_block_values
-from pallas_kernels.quantize_activations import QuantizedRows, quantize_activations_rac, quantize_operand
+from pallas_kernels.decode import nvfp4_block_values
+from pallas_kernels.quantizer import QuantizedRows, quantize_activations_rac, quantize_operand
 from pallas_kernels.tile_math import decode_tile, decode_words, load_even_odd, mma_acc, pad_axis, to_word_parts_order  # noqa: F401
 
 MODES = ("w4a4", "w4a16")
-# the activation quantizer writes the GEMMs' FP16 token operand (``operand_order``); 0 turns it
-# off (the operand then comes from the codes through XLA: the same numbers; for benchmarks)
-OPERAND_FROM_QUANTIZER = os.environ.get("QUADS_OPERAND_FROM_QUANTIZER", "1") != "0"
 
 
-# tiles: GemmConfig and the gemm_config heuristic live in quads_jax.tiling (no jax there, so
-# the SGLang plugin's Triton kernel shares them)
+# tiles: GemmConfig and the gemm_config heuristic live in pallas_kernels.tiling
 
 
 def gemm_tile_loop(*, kt_start, steps, cfg, rows, load_a, load_w):
@@ -425,26 +419,18 @@ def nvfp4_matmul(x, w, *, rac_ratio=0.0, rac_mode="token", rac_sum="fp16", act_s
     if k % 32:
         raise ValueError(f"x: the Pallas GEMM needs K % 32 == 0 (got K={k}); use backend='xla'")
     cfg = config or gemm_config(t, sum(wi.shape[0] for wi in ws), k, stacked=stacks_residual(mode, rac_ratio, rac_sum))
-    if cfg.path == "mgpu" and not mgpu.eligible(t, tuple(wi.shape[0] for wi in ws), k, mode=mode, rac_ratio=rac_ratio, rac_sum=rac_sum):
-        cfg = dataclasses.replace(cfg, path="fused")
     interpret = interpret_mode()
     gw = tuple(jnp.reshape(jnp.asarray(wi.global_scale, jnp.float32), (1,)) for wi in ws)
     gemm = lambda a, gx, r: _gemm_call(a, gx, r, tuple(wi.codes for wi in ws), tuple(_bits(wi.scales) for wi in ws), gw, cfg=cfg,
                                        out_dtype=out_dtype, interpret=interpret)
     order = operand_order(x, cfg, mode=mode, rac_ratio=rac_ratio, rac_mode=rac_mode, rac_sum=rac_sum, act_scale=act_scale)
     if order is not None:  # the quantizer writes the FP16 token operand itself
-        rows = mgpu.padded_tokens(t) if cfg.path == "mgpu" else t
-        a16, gx = quantize_operand(x, rac_ratio=rac_ratio, order=order, rows=rows, backend="pallas", config=quant_config)
-        if cfg.path == "mgpu":
-            outs = tuple(mgpu.fragment_product(a16, wi, t, gx=gx, out_dtype=out_dtype, interpret=interpret) for wi in ws)
-        else:
-            outs = gemm((a16,), gx, None)
+        a16, gx = quantize_operand(x, rac_ratio=rac_ratio, order=order, rows=t, backend="pallas", config=quant_config)
+        outs = gemm((a16,), gx, None)
         return outs if many else outs[0]
     xq, rq = quantized_operands(x, mode=mode, rac_ratio=rac_ratio, rac_mode=rac_mode, act_scale=act_scale, backend="pallas",
                                 quant_config=quant_config)
-    if cfg.path == "mgpu":
-        outs = tuple(mgpu.nvfp4_product(xq, rq, wi, out_dtype=out_dtype, interpret=interpret) for wi in ws)
-    elif cfg.path == "dequant":
+    if cfg.path == "dequant":
         values = functools.partial(nvfp4_block_values, backend="pallas")
         outs = tuple(dequant_dot(xq, rq, wi, x=x, out_dtype=out_dtype, values=values, rac_sum=rac_sum) for wi in ws)
     else:
@@ -456,14 +442,12 @@ def operand_order(x, cfg, *, mode, rac_ratio, rac_mode, rac_sum, act_scale):
     """The channel order (``tile_math.operand_columns``) in which the activation quantizer
     should write the FP16 token operand for this GEMM, or None where the GEMM takes codes or
     already quantized rows. It does so for BF16 activations with per-token scales and RAC's
-    per-token selection summed in FP16 (or no RAC): the Mosaic GPU path's fragment order, and
-    the fused path's operand values (word-part order with the word decode). That saves the
-    XLA kernel that decoded the codes into that operand (``activation_operands``)."""
+    per-token selection summed in FP16 (or no RAC): the fused path's operand values (word-part
+    order with the word decode). That saves the XLA kernel that decoded the codes into that
+    operand (``activation_operands``)."""
     if (isinstance(x, QuantizedRows) or mode != "w4a4" or act_scale != "token" or rac_mode != "token"
-            or (rac_ratio > 0 and rac_sum != "fp16") or not OPERAND_FROM_QUANTIZER):
+            or (rac_ratio > 0 and rac_sum != "fp16")):
         return None
-    if cfg.path == "mgpu":
-        return ("fragment", mgpu.TILE_K)
     if cfg.path == "fused" and cfg.act_load == "values":
         return ("words", cfg.block_k) if cfg.decode == "words" else ("plain", 16)
     return None

@@ -1,4 +1,5 @@
-"""The SGLang plugin's Triton W4A4 + RAC GEMM called from JAX through jax-triton.
+"""The SGLang plugin's Triton W4A4 + RAC GEMM called from JAX through jax-triton (the one
+module of the plugin package that imports JAX: the plugin itself never imports it).
 
     xq, rq = quantize_activations_rac(x, rac_ratio=0.5, act_scale="token")
     y = triton_nvfp4_matmul(xq, rq, w)      # the kernel torch/SGLang runs, on JAX arrays
@@ -17,7 +18,6 @@ import os
 import jax
 import jax.numpy as jnp
 
-from quads_jax import nvfp4
 
 
 def import_jax_triton():
@@ -38,19 +38,21 @@ def _bits(scales):
     return jax.lax.bitcast_convert_type(scales, jnp.uint8)
 
 
-def triton_nvfp4_matmul(xq: nvfp4.NVFP4Tensor, rq: nvfp4.NVFP4Tensor | None, w: nvfp4.NVFP4Tensor, *,
-                        out_dtype=jnp.bfloat16, config=None):
-    """q(x) [T, K] (and the selected residual) times the NVFP4 weight [N, K] -> [T, N]."""
+def triton_nvfp4_matmul(xq, rq, w, *, out_dtype=jnp.bfloat16, config=None):
+    """q(x) [T, K] (and the selected residual, or None) times the NVFP4 weight [N, K] -> [T, N].
+
+    Each operand is a ``quads_jax.nvfp4.NVFP4Tensor`` (anything with ``codes``, ``scales``
+    and ``global_scale`` of its layout)."""
     jt = import_jax_triton()
 
-    from quads_jax.tiling import gemm_config
+    from rollout.sglang_plugin.tiles import pick_tiles
     from rollout.sglang_plugin.triton_gemm import w4a4_rac_gemm_kernel
 
     t, k = xq.shape
     n = w.shape[0]
     if w.shape[1] != k:
         raise ValueError(f"w: K={w.shape[1]} does not match the activations' K={k}")
-    cfg = config or gemm_config(t, n, k)
+    cfg = config or pick_tiles(t, n, k)
     gx = jnp.reshape(jnp.asarray(xq.global_scale, jnp.float32), (t,))
     gw = jnp.reshape(jnp.asarray(w.global_scale, jnp.float32), (1,))
     rc, rs = (rq.codes, _bits(rq.scales)) if rq is not None else (xq.codes, _bits(xq.scales))

@@ -1,13 +1,17 @@
-"""GEMM tile configurations and the heuristic that picks them, shared by the Pallas kernels
-(``pallas_kernels.nvfp4_matmul``) and the SGLang plugin's Triton kernel. Plain Python: the
-plugin imports it where JAX is not installed."""
+"""Tiles of the Pallas NVFP4 GEMMs: a frozen ``GemmConfig`` and the ``gemm_config``
+heuristic that picks it (the plan, kept apart from the launch). A caller that wants other
+tiles passes a ``GemmConfig`` to the op; nothing here reads process state."""
 
 from __future__ import annotations
 
 import dataclasses
-import os
 
-NUM_SMS = 132  # H200
+import jax
+
+
+def device_sms(default: int = 132) -> int:
+    """Multiprocessors of the first device (``core_count`` on a GPU), ``default`` elsewhere."""
+    return int(getattr(jax.devices()[0], "core_count", 0) or default)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,24 +72,18 @@ class GemmConfig:
 
 DECODES = ("arith", "bits", "prmt", "words")
 SCALE_LOADS = ("reshape", "gather")
-PATHS = ("fused", "dequant", "mgpu")
+PATHS = ("fused", "dequant")
 ACT_LOADS = ("codes", "values")
 PREFILL_DEQUANT_MIN_T = 512  # token count from which the dense GEMM takes path="dequant"
-# the decode-size GEMMs' weight-tile decode: "words" (measured best on the H200 in run 12,
-# 4096 x 14336 GEMM only: T=16 35 us against prmt's 48, T=64 54 against 76; rollout 28.5k
-# against 27.0k tok/s) or "prmt" (best in runs 9-11). The rollout engine stores its NVFP4
-# weights the way the default reads them (code words for "words"). A benchmark switch:
-# QUADS_GEMM_DECODE=prmt. Read at import.
-DEFAULT_DECODE = os.environ.get("QUADS_GEMM_DECODE", "words")
-# decode-size dense GEMMs (T < 256): "fused" (the Triton-lowered Pallas kernel) or "mgpu" (the
-# Mosaic GPU kernel, pallas_kernels.nvfp4_matmul_mgpu; W4A4 with FP16-summed RAC, where its
-# shapes allow; other cases fall back to "fused")
-DECODE_PATH = os.environ.get("QUADS_GEMM_PATH", "fused")
-if DEFAULT_DECODE not in ("prmt", "words"):
-    raise ValueError(f"QUADS_GEMM_DECODE={DEFAULT_DECODE!r}: expected 'prmt' or 'words'")
+# the decode-size GEMMs' weight-tile decode: "words" where the K tile holds >= 128 channels
+# (measured best on the H200 in run 12, 4096 x 14336 GEMM only: T=16 35 us against prmt's 48,
+# T=64 54 against 76), else "prmt". NVFP4 weights are stored as code words
+# (``nvfp4.code_words``), which both read.
+DEFAULT_DECODE = "words"
 
 
-def gemm_config(t: int, n: int, k: int, programs_per_row_tile: int = 1, stacked: bool = False) -> GemmConfig:
+def gemm_config(t: int, n: int, k: int, programs_per_row_tile: int = 1, stacked: bool = False,
+                num_sms: int | None = None) -> GemmConfig:
     """Heuristic tiles: decode (few tokens) streams the weight in block_n x 128 tiles with
     split-K until ~2 waves of programs, with the weight as the MMA's M operand (swap_ab);
     prefill uses square MMA tiles, and from PREFILL_DEQUANT_MIN_T tokens the dense GEMM
@@ -110,6 +108,7 @@ def gemm_config(t: int, n: int, k: int, programs_per_row_tile: int = 1, stacked:
         path = "dequant" if t >= PREFILL_DEQUANT_MIN_T and programs_per_row_tile == 1 else "fused"
         return GemmConfig(block_m=128, block_n=128, block_k=bk, num_warps=8, num_stages=3, path=path)
     grouped = programs_per_row_tile > 1
+    sms = num_sms or device_sms()
     bm = 16 if t <= 16 else (32 if t <= 32 else 64)
     bk = next(b for b in (128, 64, 32) if k % b == 0)
     decode = DEFAULT_DECODE if bk >= 128 or DEFAULT_DECODE != "words" else "prmt"
@@ -126,17 +125,17 @@ def gemm_config(t: int, n: int, k: int, programs_per_row_tile: int = 1, stacked:
         # 1.5 waves; three stages (run 13, T=16: 29.6 us against 34.8 at 128 x 4 stages;
         # T=64 with RAC 45 against 55); stacked rows: 128-channel tiles (256 overflows shared
         # memory), two stages above 16 tokens (71 us against 97)
-        if k % 256 == 0 and not stacked and decode == "words" and tiles * (k // 512) >= 1.5 * NUM_SMS:
+        if k % 256 == 0 and not stacked and decode == "words" and tiles * (k // 512) >= 1.5 * sms:
             bk = 256
         stages = 2 if stacked and t > 16 else 3
     split = 1
     # split K until 1.5 waves of programs (run 13: split 2 beat 4 at 112 N tiles, T=64 49.5
     # against 53.8 us), each program keeping >= 2 K tiles
-    while tiles * split < 1.5 * NUM_SMS and (k // bk) % (split * 2) == 0 and k // (bk * split * 2) >= 2:
+    while tiles * split < 1.5 * sms and (k // bk) % (split * 2) == 0 and k // (bk * split * 2) >= 2:
         split *= 2
     # grouped with the byte decodes: activation codes, 4x less to read than BF16 values for
     # the N / block_n programs of each row tile (run 10: 125 us against 137); the word decode
     # reads values (run 12: 86 us against 103 us with codes)
     act_load = "codes" if grouped and decode != "words" else "values"
     return GemmConfig(block_m=bm, block_n=bn, block_k=bk, split_k=split, num_warps=4, num_stages=stages, swap_ab=True,
-                      decode=decode, act_load=act_load, path="fused" if grouped or stacked else DECODE_PATH)
+                      decode=decode, act_load=act_load, path="fused")
