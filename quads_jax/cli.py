@@ -122,7 +122,7 @@ def cmd_serve(a):
     from rollout.server import serve
 
     serve(a.config, host=a.host, port=a.port, checkpoint=a.checkpoint, recipe=a.recipe, max_batch=a.max_batch,
-          max_len=a.max_len, overrides=_overrides(a.set))
+          max_len=a.max_len, overrides=_overrides(a.set), weights_dirs=a.weights_dir)
 
 
 def cmd_export(a):
@@ -174,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--max-batch", type=int, default=32)
     p.add_argument("--max-len", type=int, default=None)
+    p.add_argument("--weights-dir", action="append", default=[],
+                   help="a directory that /update_weights_from_disk may load from (repeatable; the checkpoint's own "
+                        "directory is always allowed; none: updates are refused)")
     p.add_argument("--set", nargs="+", action="extend", default=[], help="config overrides KEY=VALUE, repeatable")
     p.set_defaults(fn=cmd_serve)
     p = sub.add_parser("export", help="export a checkpoint as HF safetensors (BF16, or NVFP4 ModelOpt layout)")

@@ -70,14 +70,16 @@ def restore_params(directory: str, cfg: ModelConfig, step: int | None = None) ->
 
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"checkpoint directory not found: {directory}")
+    from quads_jax.train.checkpoint import CorruptCheckpoint
+
     ck = Checkpointer(directory, async_save=False)
     try:
-        step = ck.resolve_step(step)
         like = abstract_params(cfg)
-        try:
+        try:  # step None: the newest intact step (corrupt or partial ones are skipped with a warning)
             params = ck.restore_params(like, step=step)
-        except Exception as e:  # orbax reports shape mismatches deep inside; name them here
-            raise ValueError(f"checkpoint {directory} step {step} does not fit the engine's config: {e}") from e
+        except CorruptCheckpoint as e:  # also a checkpoint of another config: orbax reports it deep inside
+            raise CorruptCheckpoint(f"checkpoint {directory} cannot be read into the engine's config: {e}") from e
+        step = ck.restored_step
     finally:
         ck.close()
     check_params(cfg, params, f"checkpoint {directory} step {step}")

@@ -16,6 +16,12 @@ is per row with its own seed (``fold_in(key(seed), position)``), so a request's 
 do not depend on what it is batched with nor on the burst length. Quantized recipes use
 per-token activation scales for the same reason.
 
+Batch invariance: every array shape a request meets depends only on the engine and on
+its own prompt length, never on its companions: the cache holds ``max_len`` rounded up to a
+prefill bucket for every call, rows admitted together are prefilled in groups of one bucket
+each, and the stop-token table has a fixed width (``max_stop_ids``). So a request's tokens
+and log-probs are the same alone or beside other prompts (tested bit for bit).
+
 Log-probabilities are ``log_softmax`` of the raw (untempered) logits at the sampled
 token, in float32: the quantity the trainer recomputes.
 """
@@ -23,7 +29,9 @@ token, in float32: the quantity the trainer recomputes.
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
+from numbers import Integral, Real
 from typing import Sequence
 
 import jax
@@ -97,7 +105,7 @@ def row_keys(seeds, positions):
 class Engine:
     def __init__(self, cfg: ModelConfig, *, recipe: P.Precision | str = "bf16", max_batch: int = 32,
                  max_len: int | None = None, eos_token_id: int | None = None, prefill_bucket: int = 32,
-                 decode_burst: int = 16):
+                 decode_burst: int = 16, max_stop_ids: int = 8):
         self.cfg = cfg
         self.recipe = P.rollout_recipe(recipe) if isinstance(recipe, str) else recipe
         self.recipe_name = recipe if isinstance(recipe, str) else "custom"
@@ -110,6 +118,10 @@ class Engine:
         if int(decode_burst) < 1:
             raise ValueError(f"decode_burst={decode_burst}: expected >= 1 (decode steps per device loop)")
         self.decode_burst = int(decode_burst)
+        if int(max_stop_ids) < 1:
+            raise ValueError(f"max_stop_ids={max_stop_ids}: expected >= 1 (stop ids per request, EOS included)")
+        self.max_stop_ids = int(max_stop_ids)
+        self.cache_len = -(-self.max_len // self.bucket) * self.bucket  # one shape for every call
         self.version = None
         self._model = None
         self._lock = threading.Lock()  # weight swaps wait for a running generate() to finish
@@ -188,31 +200,61 @@ class Engine:
 
     # -- generation
     def validate(self, requests: Sequence[Request]) -> None:
-        """ValueError naming the first request that cannot run (empty prompt, too long, bad ids)."""
+        """ValueError naming the first request that cannot run, checked against the engine's
+        true limits (types, ranges, context length, vocabulary, seed width, stop-table width)."""
+        v = self.cfg.vocab_size
         for i, r in enumerate(requests):
-            if r.max_new_tokens < 1:
-                raise ValueError(f"requests[{i}].max_new_tokens={r.max_new_tokens}: expected >= 1")
-            if len(r.prompt) == 0:
-                raise ValueError(f"requests[{i}].prompt: expected at least one token")
-            if len(r.prompt) + r.max_new_tokens > self.max_len:
-                raise ValueError(f"requests[{i}]: prompt ({len(r.prompt)}) + max_new_tokens ({r.max_new_tokens}) "
+            name = f"requests[{i}]"
+            if not isinstance(r, Request):
+                raise ValueError(f"{name}: expected a rollout.engine.Request, got {type(r).__name__}")
+            if not isinstance(r.max_new_tokens, Integral) or isinstance(r.max_new_tokens, bool) or r.max_new_tokens < 1:
+                raise ValueError(f"{name}.max_new_tokens={r.max_new_tokens!r}: expected an integer >= 1")
+            for field, lo, hi in (("temperature", 0.0, math.inf), ("top_p", 0.0, 1.0)):
+                x = getattr(r, field)
+                if not isinstance(x, Real) or isinstance(x, bool) or not math.isfinite(x) or not lo <= x <= hi or (field == "top_p" and x == 0):
+                    raise ValueError(f"{name}.{field}={x!r}: expected a finite number in "
+                                     + ("[0, inf)" if field == "temperature" else "(0, 1]"))
+            if not isinstance(r.top_k, Integral) or isinstance(r.top_k, bool) or r.top_k < 0:
+                raise ValueError(f"{name}.top_k={r.top_k!r}: expected an integer >= 0 (0: off; values >= the vocabulary also mean off)")
+            if not isinstance(r.seed, Integral) or isinstance(r.seed, bool) or not 0 <= r.seed < 2**32:
+                raise ValueError(f"{name}.seed={r.seed!r}: expected an integer in [0, 2**32)")
+            prompt = list(r.prompt)
+            if len(prompt) == 0:
+                raise ValueError(f"{name}.prompt: expected at least one token")
+            if not all(isinstance(t, Integral) and not isinstance(t, bool) for t in prompt):
+                raise ValueError(f"{name}.prompt: expected integer token ids")
+            if len(prompt) + r.max_new_tokens > self.max_len:
+                raise ValueError(f"{name}: prompt ({len(prompt)}) + max_new_tokens ({r.max_new_tokens}) "
                                  f"exceeds the context length {self.max_len}")
-            bad = [t for t in r.prompt if not 0 <= int(t) < self.cfg.vocab_size]
+            bad = [t for t in prompt if not 0 <= int(t) < v]
             if bad:
-                raise ValueError(f"requests[{i}].prompt: token ids {bad[:5]} outside [0, {self.cfg.vocab_size})")
+                raise ValueError(f"{name}.prompt: token ids {bad[:5]} outside [0, {v})")
+            stops = list(r.stop_token_ids)
+            if not all(isinstance(t, Integral) and not isinstance(t, bool) and 0 <= t < v for t in stops):
+                raise ValueError(f"{name}.stop_token_ids: expected token ids in [0, {v})")
+            if len(set(self._stop_ids(r))) > self.max_stop_ids:
+                raise ValueError(f"{name}.stop_token_ids: at most {self.max_stop_ids} stop ids (EOS included) per request")
+
+    def _stop_ids(self, r: Request) -> list[int]:
+        ids = list(dict.fromkeys(int(t) for t in r.stop_token_ids))
+        if not r.ignore_eos and self.eos is not None and self.eos not in ids:
+            ids.append(int(self.eos))
+        return ids
 
     def generate(self, requests: Sequence[Request]) -> list[Result]:
         if not hasattr(self, "_state"):
             raise RuntimeError("Engine.generate: no weights loaded (call load(params) first)")
+        requests = list(requests)
         self.validate(requests)
+        if not requests:
+            return []
         with self._lock:
-            return self._run(list(requests), self._state, self.version)
+            return self._run(requests, self._state, self.version)
 
     def _run(self, requests, state, version):
         b = self.max_batch
-        maxp = max(len(r.prompt) for r in requests)
-        pb = -(-maxp // self.bucket) * self.bucket
-        cache = init_kv_cache(self.cfg, b, self.max_len + pb)
+        cache = init_kv_cache(self.cfg, b, self.cache_len)
+        vocab = self.cfg.vocab_size
         waiting = list(range(len(requests)))
         slot_req = [-1] * b
         out_ids = [[] for _ in requests]
@@ -225,8 +267,7 @@ class Engine:
         topk = np.zeros(b, np.int32)
         seeds = np.zeros(b, np.uint32)
 
-        def stop_ids(r):
-            return list(r.stop_token_ids) + ([] if r.ignore_eos or self.eos is None else [self.eos])
+        stop_sets = [set(self._stop_ids(r)) for r in requests]
 
         def record(rows, toks, lps, emitted, experts):
             """Append step i's token of each row that emitted one; finish and free slots."""
@@ -241,7 +282,7 @@ class Engine:
                     if r.return_experts and experts is not None:
                         out_ex[ri].append(experts[i, s].tolist())
                     last_tok[s] = t
-                    stop = t in stop_ids(r)
+                    stop = t in stop_sets[ri]
                     if stop or len(out_ids[ri]) >= r.max_new_tokens:
                         finish[ri] = "stop" if stop else "length"
                         slot_req[s] = -1
@@ -256,21 +297,29 @@ class Engine:
                 s, r = free.pop(0), waiting.pop(0)
                 slot_req[s] = r
                 admit.append(s)
-            if admit:  # prefill the new rows; other rows are masked off (their cache is untouched in range)
-                toks = np.zeros((b, pb), np.int32)
-                mask = np.zeros((b, pb), bool)
-                lengths = np.asarray(cache["lengths"]).copy()
+            if admit:  # prefill the new rows, one call per prompt bucket; other rows are masked off
                 for s in admit:
-                    lengths[s] = 0
                     r = requests[slot_req[s]]
-                    toks[s, : len(r.prompt)] = r.prompt
-                    mask[s, : len(r.prompt)] = True
-                    temp[s], topp[s], topk[s], seeds[s] = r.temperature, r.top_p, r.top_k, r.seed
-                cache["lengths"] = jnp.asarray(lengths)
-                last = np.maximum(mask.sum(1) - 1, 0).astype(np.int32)
-                tok, lp, cache, ex = self._step(state, toks, mask, cache, last, temp, topp, topk, seeds, positions())
-                record(admit, np.asarray(tok)[None], np.asarray(lp)[None], np.ones((1, b), bool),
-                       None if ex is None else np.asarray(ex)[None])
+                    temp[s], topp[s], seeds[s] = r.temperature, r.top_p, r.seed
+                    topk[s] = 0 if r.top_k >= vocab else r.top_k
+                groups: dict[int, list[int]] = {}
+                for s in admit:
+                    n = len(requests[slot_req[s]].prompt)
+                    groups.setdefault(-(-n // self.bucket) * self.bucket, []).append(s)
+                for pb, rows in sorted(groups.items()):
+                    toks = np.zeros((b, pb), np.int32)
+                    mask = np.zeros((b, pb), bool)
+                    lengths = np.asarray(cache["lengths"]).copy()
+                    for s in rows:
+                        lengths[s] = 0
+                        r = requests[slot_req[s]]
+                        toks[s, : len(r.prompt)] = r.prompt
+                        mask[s, : len(r.prompt)] = True
+                    cache["lengths"] = jnp.asarray(lengths)
+                    last = np.maximum(mask.sum(1) - 1, 0).astype(np.int32)
+                    tok, lp, cache, ex = self._step(state, toks, mask, cache, last, temp, topp, topk, seeds, positions())
+                    record(rows, np.asarray(tok)[None], np.asarray(lp)[None], np.ones((1, b), bool),
+                           None if ex is None else np.asarray(ex)[None])
                 continue
             active = [i for i in range(b) if slot_req[i] >= 0]
             remaining = np.zeros(b, np.int32)
@@ -279,10 +328,9 @@ class Engine:
             # while requests wait, stop as soon as a slot is due to free; otherwise run a full burst
             due = remaining[active].min() if waiting else remaining[active].max()
             n = int(min(self.decode_burst, due))
-            stops = [stop_ids(requests[slot_req[s]]) if slot_req[s] >= 0 else [] for s in range(b)]
-            width = 1 << max(0, max(len(x) for x in stops) - 1).bit_length()  # a power of two: few compiles
-            table = np.full((b, width), -1, np.int32)
-            for s, x in enumerate(stops):
+            table = np.full((b, self.max_stop_ids), -1, np.int32)  # one width: no compile per stop-list length
+            for s in active:
+                x = sorted(stop_sets[slot_req[s]])
                 table[s, : len(x)] = x
             out, cache = self._burst(state, last_tok, remaining > 0, cache, temp, topp, topk, seeds, positions(),
                                      remaining, table, np.int32(n))

@@ -10,9 +10,15 @@ Endpoints (request and response fields as in SGLang, so its clients work unchang
 Concurrency: each HTTP request runs on its own thread and queues its sequences; one
 scheduler thread takes everything queued within ``batch_window_s`` and runs it as one
 ``Engine.generate`` call (continuous batching inside), so concurrent clients share the
-decode batch. Bad requests (malformed JSON, unknown fields, wrong types, prompts over the
-context length, token ids outside the vocabulary) are answered 400 before they are queued;
-a failed weight update answers 400 and keeps the old weights. The server keeps serving.
+decode batch. Every request is validated against the engine's true limits before it is
+queued (``Engine.validate``: types, NaN, ranges, seed width, vocabulary, context length),
+and answered 400 with the reason. Should a batch still fail, each of its requests is rerun
+alone, so only the one that caused it fails. Connections: a listen backlog of 1024, a
+socket timeout for idle and slow clients, 400 for malformed framing (Content-Length) and
+413 for bodies over 64 MiB. Weight updates load only from directories under the roots the
+operator allowed at start-up (``weights_dirs``; symlinks resolved), their errors do not
+reveal what exists on disk, and a failed or corrupt update keeps the old weights. Outputs
+do not depend on batch companions (``rollout.engine``). The server keeps serving.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import os
 import queue
 import threading
 import time
@@ -38,6 +45,8 @@ SAMPLING_FIELDS = {"max_new_tokens", "temperature", "top_p", "top_k", "stop", "s
                    "sampling_seed", "skip_special_tokens", "min_p", "n"}
 UPDATE_FIELDS = {"model_path", "weight_version", "load_format", "abort_all_requests"}
 MAX_BODY = 64 << 20
+SOCKET_TIMEOUT_S = 60.0  # idle or slow clients are dropped after this long without progress
+LISTEN_BACKLOG = 1024
 
 
 class BadRequest(ValueError):
@@ -81,7 +90,8 @@ def parse_sampling(sp: dict | None, *, tokenizer, eos_id) -> dict:
         out["top_p"] = float(sp["top_p"])
     if "top_k" in sp:
         v = sp["top_k"]
-        _expect(isinstance(v, int) and (v == -1 or v >= 0), f"sampling_params.top_k={v!r}: expected -1 (off) or an integer >= 0")
+        _expect(isinstance(v, int) and not isinstance(v, bool) and (v == -1 or v >= 0),
+                f"sampling_params.top_k={v!r}: expected -1 (off) or an integer >= 0")
         out["top_k"] = max(0, v)
     if "n" in sp:
         _expect(sp["n"] == 1, "sampling_params.n: only n=1 is supported (send a batch instead)")
@@ -89,9 +99,10 @@ def parse_sampling(sp: dict | None, *, tokenizer, eos_id) -> dict:
         _expect(num("min_p") == 0, "sampling_params.min_p: only 0 is supported")
     seed = sp.get("seed", sp.get("sampling_seed"))
     if seed is not None:
-        _expect(isinstance(seed, int) and seed >= 0, f"sampling_params.seed={seed!r}: expected an integer >= 0")
+        _expect(isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2**32,
+                f"sampling_params.seed={seed!r}: expected an integer in [0, 2**32)")
         out["seed"] = seed
-    ids = sp.get("stop_token_ids") or []
+    ids = list(sp.get("stop_token_ids") or [])  # a copy: one sampling_params may be shared by a batch
     _expect(_is_int_list(ids), "sampling_params.stop_token_ids: expected a list of integers")
     stops = sp.get("stop") or []
     stops = [stops] if isinstance(stops, str) else stops
@@ -137,8 +148,10 @@ class RolloutServer:
     """The engine behind a scheduler thread; ``handle(method, path, body)`` is the whole API."""
 
     def __init__(self, engine: Engine, tokenizer, *, model_path: str | None = None, batch_window_s: float = 0.005,
-                 server_args: dict | None = None):
+                 server_args: dict | None = None, weights_dirs: list[str] | tuple[str, ...] = ()):
         self.engine = engine
+        # roots that /update_weights_from_disk may load from (resolved once); none: updates refused
+        self.weights_dirs = tuple(os.path.realpath(d) for d in weights_dirs)
         self.tokenizer = tokenizer
         self.bridge = WeightBridge(engine)
         self.model_path = model_path
@@ -170,9 +183,12 @@ class RolloutServer:
                 results = self.engine.generate([j.request for j in jobs])
                 for j, r in zip(jobs, results):
                     j.future.set_result(r)
-            except Exception as e:  # validated before queueing, so this is a server fault
+            except Exception:  # validated before queueing; still, fail only the request that caused it
                 for j in jobs:
-                    j.future.set_exception(e)
+                    try:
+                        j.future.set_result(self.engine.generate([j.request])[0])
+                    except Exception as e:  # noqa: BLE001 - handed to that request's thread
+                        j.future.set_exception(e)
 
     def submit(self, requests: list[Request]) -> list[Result]:
         self.engine.validate(requests)
@@ -208,9 +224,11 @@ class RolloutServer:
             payload = None
             if method == "POST":
                 try:
-                    payload = json.loads(body or b"{}")
+                    payload = json.loads(body or b"{}", parse_constant=_no_constant)
                 except (json.JSONDecodeError, UnicodeDecodeError) as e:
                     raise BadRequest(f"malformed JSON body: {e}") from e
+                except RecursionError:
+                    raise BadRequest("malformed JSON body: nested too deeply") from None
                 _expect(isinstance(payload, dict), "body: expected a JSON object")
             return 200, fn(payload)
         except BadRequest as e:
@@ -250,9 +268,12 @@ class RolloutServer:
             kw = {k: v for k, v in sp.items() if k != "stop_strings"}
             kw.setdefault("seed", (base_seed * 7919 + i) % (2**31))
             reqs.append(Request(prompt=p, return_experts=bool(body.get("return_experts")), **kw))
+        rid = body.get("rid")
+        if isinstance(rid, list):
+            _expect(len(rid) == len(prompts) and all(isinstance(x, str) for x in rid),
+                    f"rid: expected one string per prompt ({len(prompts)})")
         results = self.submit(reqs)
         want_lp = bool(body.get("return_logprob"))
-        rid = body.get("rid")
         outs = []
         for i, (r, sp) in enumerate(zip(results, parsed)):
             ids, lps = list(r.output_ids), list(r.logprobs)
@@ -277,12 +298,23 @@ class RolloutServer:
         _expect(not unknown, f"unknown fields {unknown}; supported: {sorted(UPDATE_FIELDS)}")
         path = body.get("model_path")
         _expect(isinstance(path, str) and path, "model_path: expected a path string")
+        real = self.allowed_weights_path(path)
         try:
-            version = self.bridge.load_from_disk(path, version=body.get("weight_version"))
-        except (FileNotFoundError, ValueError, KeyError) as e:
-            raise BadRequest(f"weight update failed, old weights kept (version {self.engine.version!r}): {e}") from e
+            version = self.bridge.load_from_disk(real, version=body.get("weight_version"))
+        except Exception as e:  # noqa: BLE001 - missing, corrupt or mismatched: the old weights stay
+            raise BadRequest(f"weight update failed, old weights kept (version {self.engine.version!r}): "
+                             f"{type(e).__name__}: {_redact(str(e), real)}") from e
         self.model_path = path
         return {"success": True, "message": f"loaded {path}", "weight_version": version}
+
+    def allowed_weights_path(self, path: str) -> str:
+        """``path`` with symlinks resolved, if it lies under an allowed weights root; else 400
+        (one message for every refusal: the reply says nothing of what exists on disk)."""
+        real = os.path.realpath(path)
+        ok = any(real == d or real.startswith(d + os.sep) for d in self.weights_dirs)
+        _expect(ok and os.path.isdir(real), "model_path: not a loadable directory under the server's allowed weights "
+                                            "directories (--weights-dir)")
+        return real
 
     def flush_cache(self, _body=None):
         return {"success": True, "message": "no prefix cache is kept between batches; nothing to flush"}
@@ -307,9 +339,24 @@ class RolloutServer:
                 "batches_run": len(self.batches), "version": "quads-jax"}
 
 
-def _handler(server: RolloutServer):
+def _no_constant(name):
+    raise BadRequest(f"malformed JSON body: {name} is not a number JSON allows")
+
+
+def _redact(message: str, path: str) -> str:
+    """The first line of an error message, without listings (``[...]``: step numbers, file or
+    directory names) and with the resolved path shortened to its last component."""
+    import re
+
+    line = (message.splitlines() or [""])[0]
+    line = re.sub(r"\[[^\]]*\]", "[...]", line).replace(path, os.path.basename(path.rstrip(os.sep)))
+    return line[:300]
+
+
+def _handler(server: RolloutServer, socket_timeout: float):
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
+        timeout = socket_timeout  # an idle or stalled client frees its thread
 
         def _reply(self, code: int, payload):
             data = json.dumps(payload).encode()
@@ -320,7 +367,17 @@ def _handler(server: RolloutServer):
             self.wfile.write(data)
 
         def _serve(self, method):
-            n = int(self.headers.get("Content-Length") or 0)
+            raw = self.headers.get("Content-Length")
+            if raw is None and method == "POST" and self.headers.get("Transfer-Encoding"):
+                self.close_connection = True
+                return self._reply(411, {"error": {"message": "Content-Length required (chunked bodies are not accepted)", "code": 411}})
+            try:
+                n = int(raw or 0)
+                if n < 0:
+                    raise ValueError
+            except ValueError:
+                self.close_connection = True
+                return self._reply(400, {"error": {"message": f"Content-Length={raw!r}: expected a non-negative integer", "code": 400}})
             if n > MAX_BODY:
                 self.close_connection = True
                 return self._reply(413, {"error": {"message": f"body of {n} bytes exceeds {MAX_BODY}", "code": 413}})
@@ -340,10 +397,14 @@ def _handler(server: RolloutServer):
     return Handler
 
 
-def make_http_server(server: RolloutServer, host: str = "127.0.0.1", port: int = 30000) -> ThreadingHTTPServer:
-    httpd = ThreadingHTTPServer((host, port), _handler(server))
-    httpd.daemon_threads = True
-    return httpd
+class _HTTPServer(ThreadingHTTPServer):
+    request_queue_size = LISTEN_BACKLOG  # the listen backlog (the standard library's default is 5)
+    daemon_threads = True
+
+
+def make_http_server(server: RolloutServer, host: str = "127.0.0.1", port: int = 30000, *,
+                     socket_timeout: float = SOCKET_TIMEOUT_S) -> ThreadingHTTPServer:
+    return _HTTPServer((host, port), _handler(server, socket_timeout))
 
 
 def job_model(config_path: str, overrides: dict | None = None):
@@ -357,9 +418,11 @@ def job_model(config_path: str, overrides: dict | None = None):
 
 
 def build_server(config_path: str, *, checkpoint: str | None = None, recipe: str = "quads", max_batch: int = 32,
-                 max_len: int | None = None, overrides: dict | None = None, seed: int = 0) -> RolloutServer:
+                 max_len: int | None = None, overrides: dict | None = None, seed: int = 0,
+                 weights_dirs: list[str] | tuple[str, ...] = ()) -> RolloutServer:
     """The server of a job config: its model, its task's tokenizer, weights from ``checkpoint``
-    (orbax or HF directory) or a random initialisation."""
+    (orbax or HF directory) or a random initialisation. ``weights_dirs``: the roots that
+    weight updates may load from (the checkpoint's own directory is always one)."""
     from flax import nnx
 
     from quads_jax.model import Transformer
@@ -368,7 +431,8 @@ def build_server(config_path: str, *, checkpoint: str | None = None, recipe: str
     cfg, tok = job_model(config_path, overrides)
     eng = Engine(cfg, recipe=recipe, max_batch=max_batch, max_len=max_len, eos_token_id=tok.eos_id)
     srv_args = {"config": config_path, "checkpoint": checkpoint, "recipe": recipe}
-    srv = RolloutServer(eng, tok, model_path=checkpoint, server_args=srv_args)
+    roots = list(weights_dirs) + ([os.path.dirname(os.path.abspath(checkpoint))] if checkpoint else [])
+    srv = RolloutServer(eng, tok, model_path=checkpoint, server_args=srv_args, weights_dirs=roots)
     if checkpoint:
         srv.bridge.load_from_disk(checkpoint)
     else:

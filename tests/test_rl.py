@@ -246,7 +246,8 @@ def test_grpo_through_the_rollout_server_equals_in_process(tmp_path):
     cfg = loop.JobConfig.load(path)
     g, params, _ = split_params(Transformer(cfg.model, rngs=nnx.Rngs(0)))
     tok = CharTokenizer()
-    srv = RolloutServer(Engine(cfg.model, recipe="quads", max_batch=8, max_len=16, eos_token_id=tok.eos_id), tok)
+    srv = RolloutServer(Engine(cfg.model, recipe="quads", max_batch=8, max_len=16, eos_token_id=tok.eos_id), tok,
+                        weights_dirs=[str(tmp_path)])
     httpd = make_http_server(srv, "127.0.0.1", 0)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     try:
@@ -267,19 +268,20 @@ def test_grpo_through_the_rollout_server_equals_in_process(tmp_path):
 
 
 def test_job_config_keys_and_cli_overrides(tmp_path):
+    import pallas_kernels as pk
     from quads_jax import cli
     from quads_jax import precision as P
     from quads_jax.rl import loop
 
     path = _digits_config(tmp_path, steps=1, prompts=1, group=2)
-    assert loop.JobConfig.load(path).kernel_backend is None
-    cfg = loop.JobConfig.load(path, {"kernels.backend": "pallas"})
-    assert cfg.kernel_backend == "pallas"
-    assert P.rollout_recipe("quads", None, cfg.kernel_backend).backend == "pallas"
+    assert loop.JobConfig.load(path).kernels == pk.KernelConfig()
+    cfg = loop.JobConfig.load(path, {"kernels.backend": "pallas", "kernels.grouped": "xla"})
+    assert cfg.kernels == pk.KernelConfig(backend="pallas", grouped="xla")
+    assert P.rollout_recipe("quads", None, kernels=cfg.kernels).backend == "pallas"
     assert P.rollout_recipe("quads", 0.25, "xla").rac_ratio == 0.25
     with pytest.raises(ValueError, match="kernels.backend='triton'"):
         loop.JobConfig.load(path, {"kernels.backend": "triton"})
-    with pytest.raises(ValueError, match="under kernels"):
+    with pytest.raises(ValueError, match="unknown keys"):
         loop.JobConfig.load(path, {"kernels.tile": 64})
     with pytest.raises(ValueError, match="unknown top-level keys"):
         loop.JobConfig.load(path, {"kernel": {"backend": "xla"}})
@@ -290,7 +292,7 @@ def test_job_config_keys_and_cli_overrides(tmp_path):
     ov = cli._overrides(a.set)
     assert ov == {"rl.steps": 3, "kernels.backend": "xla", "rl.temperature": 0.2}
     cfg = loop.JobConfig.load(path, ov)
-    assert (cfg.rl.steps, cfg.kernel_backend, cfg.rl.temperature) == (3, "xla", 0.2)
+    assert (cfg.rl.steps, cfg.kernels.backend, cfg.rl.temperature) == (3, "xla", 0.2)
     with pytest.raises(SystemExit, match="KEY=VALUE"):
         cli._overrides(["rl.steps"])
 

@@ -165,7 +165,8 @@ def test_quads_serve_subprocess_end_to_end(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
     proc = subprocess.Popen([sys.executable, "-m", "quads_jax.cli", "serve", "--config", "configs/tiny_cpu.yaml", "--recipe", "quads",
-                             "--port", str(port), "--max-batch", "4", "--max-len", "48"], cwd=ROOT, env=env,
+                             "--port", str(port), "--max-batch", "4", "--max-len", "48", "--weights-dir", str(tmp_path)],
+                            cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         c = RolloutClient(f"http://127.0.0.1:{port}", timeout=300)

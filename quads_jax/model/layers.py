@@ -85,9 +85,15 @@ def init_kv_cache(cfg: ModelConfig, batch: int, max_len: int | None = None, dtyp
     }
 
 
-def _write_rows(buf, new, start):
-    """buf [B, S, ...] <- new [B, T, ...] at per-row offsets start [B]."""
-    return jax.vmap(lambda b, n, s: jax.lax.dynamic_update_slice_in_dim(b, n, s, axis=0))(buf, new, start)
+def _write_rows(buf, new, start, active):
+    """buf [B, S, ...] <- new [B, T, ...] at per-row offsets start [B], for the rows where
+    ``active``; the other rows are left exactly as they were (no write past their end, which
+    a slice clamped at the cache's end would turn into a write over their real entries)."""
+    def one(b, n, s, a):
+        s = jnp.where(a, s, 0)
+        n = jnp.where(a, n, jax.lax.dynamic_slice_in_dim(b, 0, n.shape[0], axis=0))
+        return jax.lax.dynamic_update_slice_in_dim(b, n, s, axis=0)
+    return jax.vmap(one)(buf, new, start, active)
 
 
 class Attention(nnx.Module):
@@ -105,8 +111,8 @@ class Attention(nnx.Module):
     def __call__(self, x, positions, key_valid, prec, cache=None, lengths=None):
         """x [B, T, d]; positions [B, T]; key_valid [B, S] (S = T, or the cache length).
 
-        With ``cache`` ({k, v} of this layer and ``start`` [B]) the new keys/values are
-        written at ``start`` and attention runs over the whole cache. Without one, ``lengths``
+        With ``cache`` ({k, v} of this layer, ``start`` [B] and ``active`` [B]) the new keys/values
+        of the active rows are written at ``start`` and attention runs over the whole cache. Without one, ``lengths``
         [B] says the rows are right-padded with positions 0..T-1, and attention runs through
         ``prec.kernels.attention`` (flash attention on a GPU). Returns (y, cache)."""
         cfg = self.cfg
@@ -122,8 +128,8 @@ class Attention(nnx.Module):
             o = pk.causal_attention(q, k, v, lengths, impl=prec.kernels.attention)
         else:
             if cache is not None:
-                k_all = _write_rows(cache["k"], k.astype(cache["k"].dtype), cache["start"])
-                v_all = _write_rows(cache["v"], v.astype(cache["v"].dtype), cache["start"])
+                k_all = _write_rows(cache["k"], k.astype(cache["k"].dtype), cache["start"], cache["active"])
+                v_all = _write_rows(cache["v"], v.astype(cache["v"].dtype), cache["start"], cache["active"])
                 cache = {"k": k_all, "v": v_all}
                 k_pos = jnp.arange(k_all.shape[1])[None, :]
             else:

@@ -113,7 +113,7 @@ class Transformer(nnx.Module):
         zl = jnp.float32(0.0)
         mi = 0
         for i, block in enumerate(self.layers):
-            lc = None if cache is None else dict(cache["layers"][i], start=cache["lengths"])
+            lc = None if cache is None else dict(cache["layers"][i], start=cache["lengths"], active=mask.any(1))
             forced = None
             if block.is_moe and forced_experts is not None:
                 forced = forced_experts[mi]

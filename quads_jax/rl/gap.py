@@ -21,7 +21,7 @@ RHOS = (0.0, 0.125, 0.25, 0.5, 0.75, 1.0)
 
 
 def measure_gaps(cfg, params, *, prompts=None, n_prompts=32, max_new_tokens=32, recipes=None, rac_ratios=RHOS,
-                 seed=0, max_batch=64, graphdef=None, backend=None):
+                 seed=0, max_batch=64, graphdef=None, kernels=None):
     """Rows {recipe, rac_ratio, gap_max, gap_mean, k3_kl} measured on sampled responses."""
     from quads_jax.rl.loop import RECIPES
     from flax import nnx
@@ -37,8 +37,8 @@ def measure_gaps(cfg, params, *, prompts=None, n_prompts=32, max_new_tokens=32, 
     rows = []
     for name, rho in runs:
         train_name, roll_name = RECIPES[name]
-        tp = P.train_policy(train_name)
-        eng = Engine(cfg, recipe=P.rollout_recipe(roll_name, rho, backend), max_batch=max_batch, max_len=seq_len)
+        tp = P.train_policy_with(train_name, kernels)
+        eng = Engine(cfg, recipe=P.rollout_recipe(roll_name, rho, kernels=kernels), max_batch=max_batch, max_len=seq_len)
         eng.load(params)
         res = eng.generate([Request(prompt=p, max_new_tokens=max_new_tokens, seed=i) for i, p in enumerate(prompts)])
         b = D.rl_batch(prompts, [r.output_ids for r in res], [r.logprobs for r in res], seq_len)
@@ -62,7 +62,7 @@ def run_gap(config_path: str, out_dir: str, overrides=None):
     probs = loop.make_task(cfg).split("test", cfg.rl.eval_n, cfg.seed)
     prompts = [D.prompt_ids(tok, p.prompt) for p in probs]
     rows = measure_gaps(mcfg, params, prompts=prompts, max_new_tokens=cfg.rl.max_new_tokens, graphdef=graphdef,
-                        backend=cfg.kernel_backend)
+                        kernels=cfg.kernels)
     with open(os.path.join(out_dir, "gap.json"), "w") as f:
         json.dump(rows, f, indent=1)
     plot_gaps(rows, os.path.join(out_dir, "gap.png"))

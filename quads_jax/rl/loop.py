@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from quads_jax import metrics as MW
 from quads_jax.config_util import build
+from pallas_kernels import KernelConfig
 from quads_jax import precision as P
 from quads_jax.model import Transformer, from_dict, token_logprobs
 from quads_jax.rl import data as D
@@ -88,7 +89,7 @@ class JobConfig:
     sft: SFTConfig
     rl: RLConfig
     train_n: int
-    kernel_backend: str | None = None  # `kernels: {backend: pallas|xla}`; None: the process default
+    kernels: object = None  # pallas_kernels.KernelConfig from `kernels: {backend, grouped, attention}`
 
     @classmethod
     def load(cls, path, overrides: dict | None = None) -> "JobConfig":
@@ -120,14 +121,10 @@ class JobConfig:
         rl = build(RLConfig, d.get("rl"), "rl")
         if rl.recipe not in RECIPES:
             raise ValueError(f"rl.recipe={rl.recipe!r}: expected one of {sorted(RECIPES)}")
-        kernels = dict(d.get("kernels") or {})
-        if set(kernels) - {"backend"}:
-            raise ValueError(f"{path}: unknown keys {sorted(set(kernels) - {'backend'})} under kernels; expected backend")
-        backend = kernels.get("backend")
-        P.rollout_recipe("bf16", backend=backend)  # validates the name
+        kernels = KernelConfig.from_dict(d.get("kernels"))
         return cls(seed=int(d.get("seed", 0)), model=from_dict(d.get("model") or {}), task=name, task_kwargs=task,
                    sft=build(SFTConfig, d.get("sft"), "sft"), rl=rl, train_n=int(d.get("train_n", 4000)),
-                   kernel_backend=backend)
+                   kernels=kernels)
 
 
 def _merge(base: dict, top: dict) -> dict:
@@ -210,8 +207,8 @@ def run_grpo(cfg: JobConfig, graphdef, params, mcfg, out_dir: str, *, log=print,
     rl = cfg.rl
     gcfg = G.GRPOConfig.from_dict(rl.grpo)
     train_name, roll_name = RECIPES[rl.recipe]
-    train_prec = P.train_policy(train_name)
-    roll_prec = P.rollout_recipe(roll_name, rl.rac_ratio, cfg.kernel_backend, rac_sum=rl.rac_sum)
+    train_prec = P.train_policy_with(train_name, cfg.kernels)
+    roll_prec = P.rollout_recipe(roll_name, rl.rac_ratio, rac_sum=rl.rac_sum, kernels=cfg.kernels)
     ocfg = OptimConfig.from_dict({"total_steps": rl.steps, "warmup_steps": 2, **rl.optim})
     tx = make_optimizer(ocfg)
     # the train step donates its state: copy, so the caller's params (a shared base policy) stay valid
