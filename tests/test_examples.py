@@ -40,3 +40,19 @@ def test_two_process_run_agrees_with_one_process(tmp_path):
     a, b = json.load(open(tmp_path / "one.json")), json.load(open(tmp_path / "two.json"))
     assert a["devices"] == b["devices"] == 4 and b["processes"] == 2
     np.testing.assert_allclose(b["losses"], a["losses"], rtol=1e-5)
+
+
+def test_readme_quickstart_runs_as_written():
+    """examples/quickstart.py is the README's quickstart, verbatim."""
+    src = open(os.path.join(ROOT, "examples", "quickstart.py")).read()
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    body = src.split('"""', 2)[2].strip()
+    assert body in readme, "README's quickstart differs from examples/quickstart.py"
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "quickstart.py")], capture_output=True, text=True,
+                       env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    err = float(p.stdout.split("relative error:")[1].split()[0])
+    gap = float(p.stdout.split("rollout:")[1].split()[0])
+    assert 0.02 < err < 0.3 and 0 < gap < 2.0, p.stdout
