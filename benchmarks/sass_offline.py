@@ -140,7 +140,7 @@ def cases(override=None):
 def quant_cases(shapes=((16, 4096), (64, 4096), (16, 2048), (1, 4096))):
     """(name, lower(), QuantConfig) of the activation quantizer (per-token scales) at decode
     sizes, RAC 0 and 0.5: the heuristic's config writing codes, and the FP16 GEMM operand in
-    the word-part and the fragment order (``quantize_operand``); and one program per row
+    the word-part order (``quantize_operand``); and one program per row
     writing codes (parts=1, the layout before the row split)."""
     import jax
     import jax.numpy as jnp
@@ -153,7 +153,7 @@ def quant_cases(shapes=((16, 4096), (64, 4096), (16, 2048), (1, 4096))):
             n_sel = QA.rac.num_selected(rho, k // 16)
             default = QA.quant_config(t, k)
             one_row = QA.quant_config(t, k, split=False)
-            for cfg, emit in ((default, None), (default, ("words", 256)), (default, ("fragment", 256)), (one_row, None)):
+            for cfg, emit in ((default, None), (default, ("words", 256)), (one_row, None)):
                 rows = -(-t // 8) * 8 if emit else None
                 fn = lambda cfg=cfg, n_sel=n_sel, x=x, emit=emit, rows=rows: jax.jit(
                     lambda v: QA._quant_call(v, None, None, n_sel=n_sel, use_mask=False, cfg=cfg, interpret=False, emit=emit, rows_out=rows)
