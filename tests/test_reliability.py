@@ -155,15 +155,29 @@ def test_an_engine_fault_fails_only_its_request(served, monkeypatch):
 def test_malformed_json_numbers_and_framing_get_4xx(served):
     srv, port, _ = served
     for body in (b'{"input_ids": [1, 2], "sampling_params": {"temperature": NaN}}', b"[" * 100000 + b"]" * 100000,
-                 b'{"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2.5}}'):
+                 b'{"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2.5}}',
+                 b'{"input_ids": [1, 2], "sampling_params": {"top_p": Infinity}}',
+                 b'{"input_ids": [1, 2], "sampling_params": {"seed": 4294967296}}'):
+        t0 = time.monotonic()
         code, err = _post(port, "/generate", body)
-        assert code == 400 and err["error"]["message"]
+        assert code == 400 and err["error"]["message"] and time.monotonic() - t0 < 1.0
     for cl in ("abc", "-5"):
         s = socket.create_connection(("127.0.0.1", port), timeout=5)
         s.sendall(f"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Length: {cl}\r\n\r\n".encode())
         assert s.recv(4096).split(b" ")[1] == b"400"
         s.close()
     assert _post(port, "/generate", _gen(1))[0] == 200  # still serving
+
+
+def test_a_shared_sampling_params_object_is_not_mutated():
+    """One sampling_params for a batch of prompts: every prompt gets the same stop ids."""
+    from rollout.server import parse_sampling
+
+    tok = CharTokenizer()
+    sp = {"stop_token_ids": [3], "stop": ["7", "12"], "max_new_tokens": 4}
+    outs = [parse_sampling(sp, tokenizer=tok, eos_id=2) for _ in range(4)]
+    assert all(o == outs[0] for o in outs) and sp["stop_token_ids"] == [3]
+    assert outs[0]["stop_token_ids"] == (3, tok.encode("7")[0]) and outs[0]["stop_strings"] == ["12"]
 
 
 def test_stalled_clients_do_not_block_others_and_are_dropped(served):
