@@ -182,7 +182,7 @@ def main():
     ap.add_argument("--decode-batch", type=int, default=64)
     ap.add_argument("--skip-train", action="store_true", help="only the rollout section")
     ap.add_argument("--skip-rollout", action="store_true", help="only the train-step section")
-    ap.add_argument("--recipes", default="bf16,fp8,nvfp4,quads,w4a16")
+    ap.add_argument("--recipes", default="bf16,fp8,nvfp4_naive,quads,w4a16")
     ap.add_argument("--backends", default="pallas,xla", help="kernel backends of the NVFP4 recipes")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)

@@ -95,10 +95,21 @@ TRAIN_POLICIES = {
 ROLLOUT_RECIPES = {
     "bf16": Precision(),
     "fp8": Precision(**{k: "fp8" for k in _QUANTIZED}),
-    "nvfp4": Precision(**{k: "w4a4" for k in _QUANTIZED}),
+    "nvfp4_naive": Precision(**{k: "w4a4" for k in _QUANTIZED}),
     "quads": Precision(**{k: "w4a4" for k in _QUANTIZED}, rac_ratio=0.5),
-    "w4a16": Precision(**{k: "w4a16" for k in _QUANTIZED}),
+    "w4a16": Precision(**{k: "w4a16" for k in _QUANTIZED}),  # weight-only serving (no job recipe trains for it)
 }
+# The recipes of RL jobs, by the one set of names every command uses: (trainer policy,
+# rollout recipe). A rollout engine or server given a job recipe runs its rollout side.
+RECIPES = {
+    "bf16": ("bf16", "bf16"),
+    "fp8": ("fp8", "fp8"),
+    "nvfp4_naive": ("bf16", "nvfp4_naive"),
+    "quads": ("nvfp4_w", "quads"),
+    "w4a16_qat": ("nvfp4_w", "nvfp4_naive"),
+    "quads_symmetric_qat": ("nvfp4_wa", "quads"),
+}
+RECIPE_NAMES = tuple(RECIPES) + ("w4a16",)
 
 
 def train_policy(name: str) -> Precision:
@@ -117,8 +128,10 @@ def rollout_recipe(name: str, rac_ratio: float | None = None, backend: str | Non
                    kernels: pk.KernelConfig | None = None) -> Precision:
     """The named rollout recipe, optionally with its RAC ratio, RAC sum and kernel config (or
     only its NVFP4/FP8 kernel backend) replaced."""
+    if name in RECIPES:
+        name = RECIPES[name][1]
     if name not in ROLLOUT_RECIPES:
-        raise ValueError(f"rollout recipe {name!r}: expected one of {sorted(ROLLOUT_RECIPES)}")
+        raise ValueError(f"recipe {name!r}: expected one of {list(RECIPE_NAMES)}")
     p = ROLLOUT_RECIPES[name]
     if rac_ratio is not None:
         p = dataclasses.replace(p, rac_ratio=float(rac_ratio))

@@ -71,7 +71,10 @@ def named(mesh: Mesh, specs):
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 2, leading: int = 0) -> NamedSharding:
-    """Shard axis ``leading`` of a batch array over the batch axes of the mesh."""
+    """Shard axis ``leading`` of a batch array over the batch axes of the mesh (arrays with no
+    such axis, e.g. a scalar normalizer, are replicated)."""
+    if ndim <= leading:
+        return NamedSharding(mesh, PartitionSpec())
     spec = [None] * ndim
     spec[leading] = BATCH_AXES
     return NamedSharding(mesh, PartitionSpec(*spec))

@@ -1,3 +1,4 @@
+import dataclasses
 import os
 
 import jax
@@ -261,6 +262,10 @@ def test_grpo_through_the_rollout_server_equals_in_process(tmp_path):
         httpd.shutdown()
         srv.close()
     _, h_local = loop.run_grpo(cfg, g, params, cfg.model, str(tmp_path / "local"))
+    # the RL policy is saved by default, and pass@1 is reported through the rollout and in BF16
+    from quads_jax.train.checkpoint import Checkpointer
+    assert Checkpointer(str(tmp_path / "local" / "checkpoints")).latest_step() == 2
+    assert "pass_at_1_bf16" in h_local[0] and "pass_at_1_bf16" in h_local[-1]
     for a, b in zip(h_remote, h_local):
         assert a.get("reward_mean") == b.get("reward_mean")
         if "gap_max" in a:
@@ -383,3 +388,58 @@ def test_recipe_configs_layer_on_a_job_config():
     assert a.config == ["configs/tiny_cpu.yaml", "configs/recipes/bf16.yaml"]
     with pytest.raises(FileNotFoundError, match="nope.yaml"):
         loop.JobConfig.load(["configs/tiny_cpu.yaml", "configs/recipes/nope.yaml"])
+
+
+def test_grpo_variants_aggregate_clip_and_normalise_as_documented():
+    rng = np.random.default_rng()
+    n, t = 6, 7
+    x = jnp.asarray(rng.standard_normal((n, t)), jnp.float32)
+    mask = jnp.asarray(rng.random((n, t)) < 0.6)
+    m = np.asarray(mask, np.float32)
+    np.testing.assert_allclose(G.aggregate(x, mask, "token_mean"), (np.asarray(x) * m).sum() / m.sum(), rtol=1e-6)
+    per = (np.asarray(x) * m).sum(1) / np.maximum(m.sum(1), 1)
+    np.testing.assert_allclose(G.aggregate(x, mask, "seq_mean"), per.mean(), rtol=1e-6)
+    np.testing.assert_allclose(G.aggregate(x, mask, "seq_sum_norm", seq_budget=10), ((np.asarray(x) * m).sum(1) / 10).mean(), rtol=1e-6)
+    # micro-batch losses with the update's denominator add up to the whole batch's loss
+    for how in G.LOSS_AGG:
+        whole = G.aggregate(x, mask, how, seq_budget=10)
+        d = m.sum() if how == "token_mean" else n
+        parts = sum(G.aggregate(x[i:i + 2], mask[i:i + 2], how, seq_budget=10, denom=d) for i in range(0, n, 2))
+        np.testing.assert_allclose(parts, whole, rtol=1e-5)
+    r = jnp.asarray([1.0, 0.0, 0.0, 1.0, 1.0, 1.0])
+    np.testing.assert_allclose(G.group_advantages(r, 3, std_norm=False), [2 / 3, -1 / 3, -1 / 3, 0, 0, 0], atol=1e-6)
+    # clip-higher: a ratio of 1.25 with a positive advantage is clipped at 1.2, not at 1.28
+    lp, old = jnp.log(jnp.asarray([[1.25]])), jnp.zeros((1, 1))
+    for hi, want in ((None, -1.2), (0.28, -1.25)):
+        loss, _ = G.policy_loss(lp, old, jnp.asarray([1.0]), jnp.ones((1, 1), bool), G.GRPOConfig(clip_eps_high=hi))
+        np.testing.assert_allclose(loss, want, rtol=1e-5)
+    with pytest.raises(ValueError, match="grpo.loss_agg"):
+        G.GRPOConfig(loss_agg="sum")
+
+
+def test_micro_batches_give_the_same_update_and_mini_batches_run(tmp_path):
+    """Gradient accumulation over micro-batches is the same update; several PPO mini-batches,
+    Dr.GRPO advantages, clip-higher and overlong masking run through the loop."""
+    from quads_jax.rl import loop
+
+    path = _digits_config(tmp_path, steps=1, prompts=2, group=4)
+    cfg = loop.JobConfig.load(path)
+    g, params, _ = split_params(Transformer(cfg.model, rngs=nnx.Rngs(0)))
+    out = {}
+    for micro in (1, 2):
+        c = loop.JobConfig.load(path, {"rl.grpo.micro_batches": micro})
+        out[micro], _ = loop.run_grpo(c, g, params, cfg.model, str(tmp_path / f"m{micro}"))
+    for k in params:
+        np.testing.assert_allclose(np.asarray(out[2].params[k]), np.asarray(out[1].params[k]), rtol=2e-4, atol=2e-6)
+    # the same update sharded over the 8 simulated devices (experts over "expert", FSDP, tensor parallel)
+    c = loop.JobConfig.load(path, {"rl.grpo.micro_batches": 2})
+    c = dataclasses.replace(c, mesh={"expert": 2, "fsdp": 2, "tensor": 2})
+    sharded, _ = loop.run_grpo(c, g, params, cfg.model, str(tmp_path / "mesh"))
+    assert any(len(v.sharding.device_set) > 1 for v in jax.tree.leaves(sharded.params))
+    for k in params:
+        np.testing.assert_allclose(np.asarray(sharded.params[k]), np.asarray(out[1].params[k]), rtol=2e-4, atol=2e-6)
+    c = loop.JobConfig.load(path, {"rl.steps": 2, "rl.grpo": {"group_size": 4, "mini_batches": 2, "micro_batches": 2,
+                                                              "std_norm": False, "loss_agg": "seq_mean", "clip_eps_high": 0.28,
+                                                              "overlong": "mask"}})
+    st, hist = loop.run_grpo(c, g, params, cfg.model, str(tmp_path / "variants"))
+    assert int(st.step) == 4 and all(np.isfinite(h["loss"]) for h in hist if "loss" in h)  # 2 rollouts x 2 updates

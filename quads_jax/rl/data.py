@@ -7,8 +7,9 @@ import numpy as np
 from quads_jax.rl.tokenizer import CharTokenizer
 
 
-def prompt_ids(tok: CharTokenizer, prompt: str) -> list[int]:
-    return tok.encode(prompt, bos=True)
+def prompt_ids(tok: CharTokenizer, prompt: str, system: str | None = None) -> list[int]:
+    """The prompt as the model sees it (the tokenizer's chat template, where it has one)."""
+    return tok.prompt_ids(prompt, system)
 
 
 def sft_batch(tok: CharTokenizer, problems, seq_len: int):

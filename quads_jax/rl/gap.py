@@ -50,14 +50,15 @@ def measure_gaps(cfg, params, *, prompts=None, n_prompts=32, max_new_tokens=32, 
     return rows
 
 
-def run_gap(config_path: str, out_dir: str, overrides=None):
-    """``quads gap``: the base policy of the config (SFT'd, cached in OUT/base) on task prompts."""
+def run_gap(config_path: str, out_dir: str, overrides=None, base: str | None = None):
+    """``quads gap``: the base policy of the config (SFT'd, cached in OUT/base, or reused from
+    the run directory ``base``) on task prompts."""
     from quads_jax.rl import loop
     from quads_jax.rl.tokenizer import CharTokenizer
 
     cfg = loop.JobConfig.load(config_path, overrides)
     os.makedirs(out_dir, exist_ok=True)
-    graphdef, params, mcfg = loop.base_policy(cfg, out_dir)
+    graphdef, params, mcfg = loop.base_policy(cfg, base or out_dir)
     tok = CharTokenizer()
     probs = loop.make_task(cfg).split("test", cfg.rl.eval_n, cfg.seed)
     prompts = [D.prompt_ids(tok, p.prompt) for p in probs]

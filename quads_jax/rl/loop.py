@@ -35,16 +35,9 @@ from quads_jax.train.state import OptimConfig, init_state, make_optimizer, make_
 from rollout.engine import Engine, Request
 
 # recipe -> (trainer precision policy, rollout recipe). The paper's RL comparison.
-RECIPES = {
-    "bf16": ("bf16", "bf16"),
-    "fp8": ("fp8", "fp8"),
-    "nvfp4_naive": ("bf16", "nvfp4"),
-    "quads": ("nvfp4_w", "quads"),
-    "w4a16_qat": ("nvfp4_w", "nvfp4"),
-    "quads_symmetric_qat": ("nvfp4_wa", "quads"),
-}
+RECIPES = P.RECIPES  # (trainer policy, rollout recipe) by job recipe name
 
-RL_COLUMNS = ["step", "reward_mean", "pass_at_1", "gap_max", "gap_mean", "k3_kl", "entropy", "response_len",
+RL_COLUMNS = ["step", "reward_mean", "pass_at_1", "pass_at_1_bf16", "gap_max", "gap_mean", "k3_kl", "entropy", "response_len",
               "clip_frac", "grad_norm", "loss", "skipped", "kl_ref", "tokens_per_s", "weight_sync_s", "rollout_s", "train_s"]
 
 
@@ -90,6 +83,10 @@ class JobConfig:
     rl: RLConfig
     train_n: int
     kernels: object = None  # pallas_kernels.KernelConfig from `kernels: {backend, grouped, attention}`
+    hf: str | None = None  # `model: {hf: DIR}`: start from a Hugging Face checkpoint (its config and weights)
+    tokenizer: str | None = None  # `tokenizer: {hf: DIR}` (default with `model.hf`: that directory); None: characters
+    data: object = None  # `data: {...}` (quads_jax.rl.prompts.PromptData): prompts from a file instead of `task`
+    mesh: dict | None = None  # `mesh: {data, fsdp, expert, tensor}`: the train step sharded over every device
 
     @classmethod
     def load(cls, path, overrides: dict | None = None) -> "JobConfig":
@@ -113,7 +110,7 @@ class JobConfig:
             for p in parts[:-1]:
                 node = node.setdefault(p, {})
             node[parts[-1]] = v
-        known = {"seed", "model", "task", "sft", "rl", "train_n", "kernels"}
+        known = {"seed", "model", "task", "sft", "rl", "train_n", "kernels", "tokenizer", "data", "mesh"}
         if set(d) - known:
             raise ValueError(f"{path}: unknown top-level keys {sorted(set(d) - known)}; expected some of {sorted(known)}")
         task = dict(d.get("task") or {"name": "addition"})
@@ -122,9 +119,24 @@ class JobConfig:
         if rl.recipe not in RECIPES:
             raise ValueError(f"rl.recipe={rl.recipe!r}: expected one of {sorted(RECIPES)}")
         kernels = KernelConfig.from_dict(d.get("kernels"))
-        return cls(seed=int(d.get("seed", 0)), model=from_dict(d.get("model") or {}), task=name, task_kwargs=task,
+        model = dict(d.get("model") or {})
+        hf_dir = model.pop("hf", None)
+        if hf_dir is not None:  # the checkpoint's config, with this file's other model keys on top (remat, ...)
+            from quads_jax.model import from_hf_config
+
+            mcfg = from_hf_config(hf_dir).replace(**model) if model else from_hf_config(hf_dir)
+        else:
+            mcfg = from_dict(model)
+        tk = d.get("tokenizer") or {}
+        if not isinstance(tk, dict) or set(tk) - {"hf"}:
+            raise ValueError(f"{path}: tokenizer: expected {{hf: DIR}}")
+        from quads_jax.rl.prompts import PromptData
+
+        data = PromptData.from_dict(d["data"]) if d.get("data") else None
+        return cls(seed=int(d.get("seed", 0)), model=mcfg, task=name, task_kwargs=task,
                    sft=build(SFTConfig, d.get("sft"), "sft"), rl=rl, train_n=int(d.get("train_n", 4000)),
-                   kernels=kernels)
+                   kernels=kernels, hf=hf_dir, tokenizer=tk.get("hf") or hf_dir, data=data,
+                   mesh=dict(d["mesh"]) if d.get("mesh") else None)
 
 
 def _merge(base: dict, top: dict) -> dict:
@@ -136,9 +148,33 @@ def _merge(base: dict, top: dict) -> dict:
 
 
 def make_task(cfg: JobConfig):
-    from quads_jax.rl import tasks as T
+    """The job's prompts and reward: a data set (``data:``) or a built-in task (``task:``)."""
+    if cfg.data is not None:
+        from quads_jax.rl.prompts import DatasetTask
+
+        return DatasetTask(cfg.data)
     t = get_task(cfg.task)
     return type(t)(**cfg.task_kwargs) if cfg.task_kwargs else t
+
+
+def make_tokenizer(cfg: JobConfig):
+    """A Hugging Face tokenizer (``tokenizer: {hf: DIR}``, or the model's directory), else the
+    character tokenizer of the built-in tasks."""
+    if cfg.tokenizer:
+        from quads_jax.rl.hf_tokenizer import HFTokenizer
+
+        return HFTokenizer(cfg.tokenizer)
+    return CharTokenizer()
+
+
+def job_model_config(cfg: JobConfig, tok) -> ModelConfig:
+    """The model config of a job: a character vocabulary widened to the tokenizer's."""
+    return cfg.model if cfg.hf else cfg.model.replace(vocab_size=max(cfg.model.vocab_size, tok.vocab_size))
+
+
+def prompt_of(tok, task, problem) -> list[int]:
+    """A problem's prompt tokens, with its data set's system prompt where it has one."""
+    return D.prompt_ids(tok, problem.prompt, getattr(task, "system", {}).get(problem.prompt))
 
 
 # ----------------------------------------------------------------------------- pieces
@@ -146,7 +182,7 @@ def make_task(cfg: JobConfig):
 
 def evaluate(engine: Engine, task, tok, problems, max_new_tokens: int) -> float:
     """Held-out pass@1 with greedy decoding."""
-    reqs = [Request(prompt=D.prompt_ids(tok, p.prompt), max_new_tokens=max_new_tokens, temperature=0.0, seed=i)
+    reqs = [Request(prompt=prompt_of(tok, task, p), max_new_tokens=max_new_tokens, temperature=0.0, seed=i)
             for i, p in enumerate(problems)]
     res = engine.generate(reqs)
     return float(np.mean([task.reward(p, tok.decode(r.output_ids)) for p, r in zip(problems, res)]))
@@ -154,9 +190,9 @@ def evaluate(engine: Engine, task, tok, problems, max_new_tokens: int) -> float:
 
 def run_sft(cfg: JobConfig, out_dir: str, *, log=print):
     """Supervised warm start on task demonstrations; returns (graphdef, params)."""
-    tok = CharTokenizer()
+    tok = make_tokenizer(cfg)
     task = make_task(cfg)
-    mcfg = cfg.model.replace(vocab_size=max(cfg.model.vocab_size, tok.vocab_size))
+    mcfg = job_model_config(cfg, tok)
     model = Transformer(mcfg, rngs=nnx.Rngs(cfg.seed))
     graphdef, params, axes = split_params(model)
     ocfg = OptimConfig.from_dict({"total_steps": cfg.sft.steps, **cfg.sft.optim})
@@ -201,8 +237,13 @@ def run_sft(cfg: JobConfig, out_dir: str, *, log=print):
 
 
 def run_grpo(cfg: JobConfig, graphdef, params, mcfg, out_dir: str, *, log=print, checkpoint_every: int = 0):
-    """GRPO from ``params`` in the configured recipe; writes ``out_dir/metrics.csv``."""
-    tok = CharTokenizer()
+    """GRPO from ``params`` in the configured recipe; writes ``out_dir/metrics.csv`` and the
+    final policy (and every ``checkpoint_every`` steps, if set) to ``out_dir/checkpoints``.
+
+    Held-out pass@1 is measured twice at each evaluation: ``pass_at_1`` through the recipe's
+    own rollout engine (what RL samples from), and ``pass_at_1_bf16`` with the same weights
+    decoded in BF16 (the policy itself, free of rollout quantization)."""
+    tok = make_tokenizer(cfg)
     task = make_task(cfg)
     rl = cfg.rl
     gcfg = G.GRPOConfig.from_dict(rl.grpo)
@@ -218,14 +259,23 @@ def run_grpo(cfg: JobConfig, graphdef, params, mcfg, out_dir: str, *, log=print,
         f = batch.get("forced_experts")
         return None if f is None else jnp.moveaxis(f, 1, 0)
 
+    micro = gcfg.micro_batches
+
     def loss_fn(model, batch, rng):
         del rng
         logp = token_logprobs(model, batch["tokens"], batch["attn"], precision=train_prec, forced_experts=forced(batch))
         loss, m = G.policy_loss(logp, batch["old_logp"], batch["adv"], batch["resp_mask"], gcfg,
-                                rollout_logp=batch["rollout_logp"], ref_logp=batch.get("ref_logp"))
-        return loss, m
+                                rollout_logp=batch["rollout_logp"], ref_logp=batch.get("ref_logp"),
+                                seq_budget=rl.max_new_tokens, denom=batch["denom"])
+        return loss * micro, m  # the step averages micro-batch gradients: their sum is the update's
 
-    step_fn = make_train_step(graphdef, tx, loss_fn)
+    mesh_kw = {}
+    if cfg.mesh:  # parameters and optimizer state sharded by their logical axes (experts over "expert", FSDP ...)
+        from quads_jax import sharding as S
+
+        axes = split_params(nnx.eval_shape(lambda: to_model(graphdef, params)))[2]
+        mesh_kw = {"mesh": S.make_mesh(cfg.mesh), "axes": axes}
+    step_fn = make_train_step(graphdef, tx, loss_fn, grad_accum=micro, **mesh_kw)
     score = jax.jit(lambda p, b: token_logprobs(to_model(graphdef, p), b["tokens"], b["attn"], precision=train_prec,
                                                 forced_experts=forced(b)))
     # KL to a reference: the starting policy, frozen (its own copy: the step donates the state)
@@ -241,7 +291,9 @@ def run_grpo(cfg: JobConfig, graphdef, params, mcfg, out_dir: str, *, log=print,
     train = task.split("train", cfg.train_n, cfg.seed)
     test = task.split("test", rl.eval_n, cfg.seed)
     rng = np.random.default_rng(cfg.seed + 7)
-    ckpt = Checkpointer(os.path.join(out_dir, "checkpoints"), save_every=checkpoint_every) if checkpoint_every else None
+    ckpt = Checkpointer(os.path.join(out_dir, "checkpoints"), save_every=checkpoint_every or max(1, rl.steps))
+    bf16_eval = engine if roll_name == "bf16" and not rl.rollout_url else Engine(
+        mcfg, recipe=P.rollout_recipe("bf16", kernels=cfg.kernels), max_batch=64, max_len=rl.seq_len, eos_token_id=tok.eos_id)
     writer = MW.MetricsWriter(out_dir, RL_COLUMNS)
     bar = tqdm(range(rl.steps + 1), desc=f"grpo[{rl.recipe}]", dynamic_ncols=True, mininterval=1.0)
     history = []
@@ -252,12 +304,15 @@ def run_grpo(cfg: JobConfig, graphdef, params, mcfg, out_dir: str, *, log=print,
         row = {}
         if i % rl.eval_every == 0 or i == rl.steps:
             row["pass_at_1"] = evaluate(engine, task, tok, test, rl.max_new_tokens)
+            if bf16_eval is not engine:
+                bf16_eval.load(state.params, version=i)
+            row["pass_at_1_bf16"] = evaluate(bf16_eval, task, tok, test, rl.max_new_tokens)
         if i == rl.steps:  # the final evaluation row
             writer.write(i, row)
             history.append({"step": i, **row})
             break
         probs = [train[j] for j in rng.integers(0, len(train), rl.prompts_per_step)]
-        prompts = [D.prompt_ids(tok, p.prompt) for p in probs for _ in range(gcfg.group_size)]
+        prompts = [prompt_of(tok, task, p) for p in probs for _ in range(gcfg.group_size)]
         reqs = [Request(prompt=pr, max_new_tokens=rl.max_new_tokens, temperature=rl.temperature, top_p=rl.top_p,
                         seed=int(rng.integers(0, 2**31)), return_experts=gcfg.routing_replay) for pr in prompts]
         res = engine.generate(reqs)
@@ -275,8 +330,20 @@ def run_grpo(cfg: JobConfig, graphdef, params, mcfg, out_dir: str, *, log=print,
             b["ref_logp"] = score(ref_params, b)
         gaps = jax.device_get(G.gap_metrics(old, b["rollout_logp"], b["resp_mask"]))
         b["old_logp"] = old
-        b["adv"] = G.group_advantages(jnp.asarray(rewards), gcfg.group_size, gcfg.adv_eps)
-        state, m = step_fn(state, b)
+        b["adv"] = G.group_advantages(jnp.asarray(rewards), gcfg.group_size, gcfg.adv_eps, gcfg.std_norm)
+        if gcfg.overlong == "mask":  # responses cut at the length limit teach nothing about their answer
+            cut = jnp.asarray([r.finish_reason == "length" for r in res])
+            b["resp_mask"] = b["resp_mask"] & ~cut[:, None]
+        for part in np.array_split(rng.permutation(len(res)), gcfg.mini_batches):  # PPO updates
+            mb = {k: v[jnp.asarray(part)] for k, v in b.items()}
+            denom = mb["resp_mask"].sum() if gcfg.loss_agg == "token_mean" else len(part)
+            mb["denom"] = jnp.maximum(jnp.asarray(denom, jnp.float32), 1.0)
+            if micro > 1:
+                if len(part) % micro:
+                    raise ValueError(f"grpo.micro_batches={micro} must divide each mini-batch ({len(part)} sequences)")
+                mb = {k: (jnp.broadcast_to(v, (micro,)) if k == "denom" else v.reshape(micro, -1, *v.shape[1:]))
+                      for k, v in mb.items()}
+            state, m = step_fn(state, mb)
         m = jax.device_get(m)
         t3 = time.perf_counter()
         n_tok = int(sum(len(r.output_ids) for r in res))
@@ -290,19 +357,19 @@ def run_grpo(cfg: JobConfig, graphdef, params, mcfg, out_dir: str, *, log=print,
         history.append({"step": i, **row})
         bar.set_postfix(reward=f"{row['reward_mean']:.2f}", gap=f"{row['gap_max']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}",
                         **({"pass1": f"{row['pass_at_1']:.2f}"} if "pass_at_1" in row else {}))
-        if ckpt is not None:
+        if checkpoint_every:
             ckpt.save(state)
     writer.close()
-    if ckpt is not None:
-        ckpt.save(state, force=True)
-        ckpt.wait()
-        ckpt.close()
+    ckpt.save(state, force=True)
+    ckpt.wait()
+    ckpt.close()
     return state, history
 
 
 def summarize(history: list[dict]) -> dict:
     rows = [h for h in history if "reward_mean" in h]
     evals = [h["pass_at_1"] for h in history if "pass_at_1" in h]
+    bf16 = [h["pass_at_1_bf16"] for h in history if "pass_at_1_bf16" in h]
     k = max(1, len(rows) // 4)
     return {
         "steps": len(rows),
@@ -310,6 +377,8 @@ def summarize(history: list[dict]) -> dict:
         "reward_last": float(np.mean([h["reward_mean"] for h in rows[-k:]])) if rows else float("nan"),
         "pass_at_1_first": evals[0] if evals else float("nan"),
         "pass_at_1_last": evals[-1] if evals else float("nan"),
+        "pass_at_1_bf16_first": bf16[0] if bf16 else float("nan"),
+        "pass_at_1_bf16_last": bf16[-1] if bf16 else float("nan"),
         "gap_max_peak": max((h["gap_max"] for h in rows), default=float("nan")),
         "gap_mean_avg": float(np.mean([h["gap_mean"] for h in rows])) if rows else float("nan"),
         "k3_kl_avg": float(np.mean([h["k3_kl"] for h in rows])) if rows else float("nan"),
@@ -318,15 +387,22 @@ def summarize(history: list[dict]) -> dict:
 
 
 def base_policy(cfg, out_dir):
-    """SFT warm start, cached in OUT/base (a rerun reuses it)."""
+    """The policy RL starts from: a Hugging Face checkpoint (``model: {hf: DIR}``), or an SFT
+    warm start on the task's demonstrations, cached in OUT/base (a rerun reuses it)."""
     from quads_jax.train.checkpoint import Checkpointer
     from quads_jax.train.state import split_params
     from quads_jax.model import Transformer
-    from quads_jax.rl.tokenizer import CharTokenizer
     from flax import nnx
 
+    if cfg.hf:
+        from quads_jax import hf
+
+        params = split_params(hf.load_qwen3_moe(cfg.hf, dtype=cfg.model.dtype))[1]
+        graphdef = split_params(nnx.eval_shape(lambda: Transformer(cfg.model, rngs=nnx.Rngs(0))))[0]  # the job's config
+        print(f"[quads] starting from the Hugging Face checkpoint {cfg.hf}")
+        return graphdef, params, cfg.model
     base = os.path.join(out_dir, "base")
-    mcfg = cfg.model.replace(vocab_size=max(cfg.model.vocab_size, CharTokenizer().vocab_size))
+    mcfg = job_model_config(cfg, make_tokenizer(cfg))
     graphdef, like, _ = split_params(nnx.eval_shape(lambda: Transformer(mcfg, rngs=nnx.Rngs(0))))
     ck = Checkpointer(base, save_every=1, max_to_keep=1, async_save=False)
     if ck.latest_step() is not None:

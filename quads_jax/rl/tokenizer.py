@@ -19,6 +19,10 @@ class CharTokenizer:
             raise ValueError(f"text: characters {bad} are not in the tokenizer's alphabet {self.chars!r}")
         return ([BOS] if bos else []) + [self._id[c] for c in text]
 
+    def prompt_ids(self, prompt: str, system: str | None = None) -> list[int]:
+        """BOS + the prompt (the toy tasks have no chat template or system prompt)."""
+        return self.encode(prompt, bos=True)
+
     def decode(self, ids) -> str:
         out = []
         for i in ids:
