@@ -222,6 +222,7 @@ def export_qwen3_moe(model: Transformer, out_dir: str, *, dtype=jnp.bfloat16, sh
     with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": int(total)}, "weight_map": wm}, f, indent=1)
     hfc = C.to_hf_config(model.cfg)
+    hfc["torch_dtype"] = {"bfloat16": "bfloat16", "float32": "float32", "float16": "float16"}.get(jnp.dtype(dtype).name, "bfloat16")
     if quantization_config is not None:
         hfc["quantization_config"] = quantization_config
     with open(os.path.join(out_dir, "config.json"), "w") as f:

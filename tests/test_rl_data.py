@@ -42,8 +42,7 @@ def test_dataset_task_scores_with_its_reward(tmp_path):
     task = DatasetTask(PromptData(path=path, prompt_field="q", answer_field="ans", eval_n=5, reward="math_verify"))
     p = task.split("test", 5)[0]
     assert task.reward(p, rf"so \boxed{{{p.answer}}}") == 1.0 and task.reward(p, r"\boxed{-1}") == 0.0
-    with pytest.raises(ValueError, match="split has 5"):
-        task.split("test", 6)
+    assert len(task.split("test", 6)) == 5 and len(task.split("train", 10**6)) == 35  # caps, not errors
 
 
 def test_clear_errors_for_bad_data(tmp_path):

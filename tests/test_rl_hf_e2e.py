@@ -15,6 +15,12 @@ transformers = pytest.importorskip("transformers")
 from tests.test_rl_data import make_hf_tokenizer  # noqa: E402
 
 
+def length_reward(completion: str, answer: str) -> float:
+    """A user reward given by import path: a random policy's completions differ in it, so
+    the advantages (and the update) are not zero."""
+    return min(len(completion), 40) / 40.0
+
+
 def test_hf_checkpoint_tokenizer_and_jsonl_through_grpo_to_an_export(tmp_path):
     from quads_jax.rl import loop
     from quads_jax.train.checkpoint import Checkpointer
@@ -37,7 +43,7 @@ def test_hf_checkpoint_tokenizer_and_jsonl_through_grpo_to_an_export(tmp_path):
 seed: 0
 model: {{hf: {tmp_path / 'model'}, compute_dtype: float32, max_seq_len: 96}}
 data: {{path: {tmp_path / 'problems.jsonl'}, prompt_field: question, answer_field: answer, eval_n: 8,
-       system_prompt: "Answer with a number.", reward: math_verify}}
+       system_prompt: "Answer with a number.", reward: "tests.test_rl_hf_e2e:length_reward"}}
 rl: {{recipe: quads, steps: 2, prompts_per_step: 2, max_new_tokens: 8, eval_every: 1, eval_n: 4, seq_len: 64,
      grpo: {{group_size: 4, micro_batches: 2}}, optim: {{lr: 1.0e-3, warmup_steps: 1}}}}
 """)
@@ -51,10 +57,11 @@ rl: {{recipe: quads, steps: 2, prompts_per_step: 2, max_new_tokens: 8, eval_ever
     assert Checkpointer(str(tmp_path / "run" / "checkpoints")).latest_step() == 2
     # back to Hugging Face: BF16 safetensors that transformers loads, and the NVFP4 ModelOpt layout
     out = bridge.export_hf(mcfg, state.params, str(tmp_path / "export"), dtype=jnp.float32)
-    m2 = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert json.load(open(os.path.join(out, "config.json")))["torch_dtype"] == "float32"
+    m2 = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     ids = np.asarray([[1, 5, 9, 12, 3]])
     with torch.no_grad():
-        want = m2(torch.tensor(ids)).logits.numpy()
+        want = m2(torch.tensor(ids)).logits.float().numpy()
     from quads_jax.model import Transformer
     from quads_jax.train.state import to_model
     got = np.asarray(to_model(graphdef, state.params)(jnp.asarray(ids)))

@@ -151,8 +151,9 @@ xq, rq = quantize_activations_rac(xb, rac_ratio=0.5, act_scale="token", backend=
 out["codes_equal"] = bool(np.array_equal(xc.numpy(), np.asarray(xq.codes)) and np.array_equal(rc.numpy(), np.asarray(rq.codes)))
 out["scales_equal"] = bool(np.array_equal(xs.numpy(), np.asarray(xq.scales).view(np.uint8))
                            and np.array_equal(rs.numpy(), np.asarray(rq.scales).view(np.uint8)))
-cfgs = [None, TG.GemmConfig(16, 32, 64, split_k=2), TG.GemmConfig(32, 16, 32), TG.GemmConfig(16, 32, 64, swap_ab=True),
-        TG.GemmConfig(16, 32, 64, path="dequant")]
+from rollout.sglang_plugin.tiles import TritonTiles
+cfgs = [None, TritonTiles(16, 32, 64, split_k=2), TritonTiles(32, 16, 32), TritonTiles(16, 32, 64, swap_ab=True),
+        TritonTiles(16, 32, 64, dequant=True)]
 for rho in (0.0, 0.125, 0.5, 1.0):
     want = np.asarray(nvfp4_matmul(xb, wq, rac_ratio=rho, rac_sum="exact", act_scale="token", backend="xla", out_dtype=jnp.float32))
     for i, cfg in enumerate(cfgs):

@@ -45,5 +45,5 @@ class HFTokenizer:
         if not self.use_chat:
             return self.encode(prompt, bos=True)
         msgs = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": prompt}]
-        out = self.tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True)
-        return list(out["input_ids"] if isinstance(out, dict) else out)
+        text = self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        return list(self.tok.encode(text, add_special_tokens=False))  # the template places any BOS itself

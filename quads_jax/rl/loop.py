@@ -26,6 +26,7 @@ from quads_jax import precision as P
 from quads_jax.model import Transformer, from_dict, token_logprobs
 from quads_jax.rl import data as D
 from quads_jax.rl import grpo as G
+from quads_jax.rl.rewards import RewardPool
 from quads_jax.rl.tasks import get_task
 from quads_jax.rl.tokenizer import CharTokenizer
 from quads_jax.train.checkpoint import Checkpointer
@@ -59,6 +60,7 @@ class RLConfig:
     # None: the engine in-process (weights synced as device arrays). A URL: a `quads serve` (or
     # SGLang-API) server, synced each step through an orbax step in OUT/weight_sync.
     rollout_url: str | None = None
+    reward_workers: int = 4  # threads that score completions while the device computes log-probs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,6 +297,8 @@ def run_grpo(cfg: JobConfig, graphdef, params, mcfg, out_dir: str, *, log=print,
     bf16_eval = engine if roll_name == "bf16" and not rl.rollout_url else Engine(
         mcfg, recipe=P.rollout_recipe("bf16", kernels=cfg.kernels), max_batch=64, max_len=rl.seq_len, eos_token_id=tok.eos_id)
     writer = MW.MetricsWriter(out_dir, RL_COLUMNS)
+    step_probs: list = []  # this step's problems, for the reward workers
+    scorer = RewardPool(lambda text, j: task.reward(step_probs[j], text), workers=rl.reward_workers)
     bar = tqdm(range(rl.steps + 1), desc=f"grpo[{rl.recipe}]", dynamic_ncols=True, mininterval=1.0)
     history = []
     for i in bar:
@@ -312,6 +316,7 @@ def run_grpo(cfg: JobConfig, graphdef, params, mcfg, out_dir: str, *, log=print,
             history.append({"step": i, **row})
             break
         probs = [train[j] for j in rng.integers(0, len(train), rl.prompts_per_step)]
+        step_probs[:] = probs
         prompts = [prompt_of(tok, task, p) for p in probs for _ in range(gcfg.group_size)]
         reqs = [Request(prompt=pr, max_new_tokens=rl.max_new_tokens, temperature=rl.temperature, top_p=rl.top_p,
                         seed=int(rng.integers(0, 2**31)), return_experts=gcfg.routing_replay) for pr in prompts]
@@ -320,8 +325,9 @@ def run_grpo(cfg: JobConfig, graphdef, params, mcfg, out_dir: str, *, log=print,
             raise ValueError("grpo.routing_replay: the rollout returned no experts (the HTTP server does not; "
                              "use the in-process engine, rl.rollout_url unset)")
         t2 = time.perf_counter()
-        rewards = np.array([task.reward(probs[k // gcfg.group_size], tok.decode(r.output_ids)) for k, r in enumerate(res)],
-                           np.float32)
+        # rewards are scored in worker threads while the device computes the trainer's log-probs
+        texts = [tok.decode(r.output_ids) for r in res]
+        scored = scorer.submit(texts, [k // gcfg.group_size for k in range(len(res))])
         b = D.rl_batch(prompts, [r.output_ids for r in res], [r.logprobs for r in res], rl.seq_len,
                        experts=[r.experts for r in res] if gcfg.routing_replay else None)
         b = {k: jnp.asarray(v) for k, v in b.items()}
@@ -329,6 +335,7 @@ def run_grpo(cfg: JobConfig, graphdef, params, mcfg, out_dir: str, *, log=print,
         if ref_params is not None:
             b["ref_logp"] = score(ref_params, b)
         gaps = jax.device_get(G.gap_metrics(old, b["rollout_logp"], b["resp_mask"]))
+        rewards = scored.result()
         b["old_logp"] = old
         b["adv"] = G.group_advantages(jnp.asarray(rewards), gcfg.group_size, gcfg.adv_eps, gcfg.std_norm)
         if gcfg.overlong == "mask":  # responses cut at the length limit teach nothing about their answer
@@ -360,6 +367,7 @@ def run_grpo(cfg: JobConfig, graphdef, params, mcfg, out_dir: str, *, log=print,
         if checkpoint_every:
             ckpt.save(state)
     writer.close()
+    scorer.close()
     ckpt.save(state, force=True)
     ckpt.wait()
     ckpt.close()

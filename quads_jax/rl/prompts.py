@@ -120,10 +120,8 @@ class DatasetTask(Task):
         return float(self.reward_fn(completion, problem.answer))
 
     def split(self, split: str, n: int, seed: int = 0) -> list[Problem]:
-        """The first ``n`` rows of the split (the split itself is fixed by ``data.seed``)."""
+        """The first ``n`` rows of the split, or all of them where it has fewer (the job's
+        ``train_n`` / ``rl.eval_n`` are caps here; the split itself is fixed by ``data.seed``)."""
         if split not in ("train", "test"):
             raise ValueError(f"split={split!r}: expected 'train' or 'test'")
-        rows = self.train if split == "train" else self.test
-        if n > len(rows):
-            raise ValueError(f"{split}: {n} problems asked, the data set's {split} split has {len(rows)}")
-        return rows[:n]
+        return (self.train if split == "train" else self.test)[: max(0, int(n))]
