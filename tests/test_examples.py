@@ -3,6 +3,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -15,6 +16,7 @@ def test_pjit_example_runs_and_learns(tmp_path):
     assert "identical: True" in p.stdout
 
 
+@pytest.mark.slow
 def test_two_process_run_agrees_with_one_process(tmp_path):
     """jax.distributed on localhost: 2 CPU processes x 2 devices (gloo collectives) train the
     example's sharded steps and checkpoint once; the losses equal a 1-process 4-device run."""

@@ -87,11 +87,16 @@ def test_gemm_w4a16_and_rho_semantics(rng):
     bound = 2.0**-11 * (np.abs(comp) @ np.abs(wd).T) + 2e-5 * np.abs(ref1) + 2e-4
     assert np.all(np.abs(got["fp16"] - ref1) <= bound)
     assert 0 < rel(got["fp16"], ref1) < 1e-4  # rounded somewhere, far below the BF16 output's 2**-9
-    # the error against the float product falls as rho grows, towards the weight-only error
-    errs = [rel(pk.nvfp4_matmul(x, w, rac_ratio=r, backend="xla", out_dtype=jnp.float32), exact) for r in (0.0, 0.125, 0.5, 1.0)]
-    assert errs[0] > errs[1] > errs[2] > errs[3], errs
+    # the activation error (against the product with the same dequantized weight: the weight's
+    # error is common to every rho and, at this size, larger than the steps between them) falls
+    # as rho grows
+    act_ref = np.asarray(xf @ wd.T)
+    act = [rel(pk.nvfp4_matmul(x, w, rac_ratio=r, backend="xla", out_dtype=jnp.float32), act_ref) for r in (0.0, 0.125, 0.5, 1.0)]
+    assert act[0] > act[1] > act[2] > act[3], act
+    errs = [rel(pk.nvfp4_matmul(x, w, rac_ratio=r, backend="xla", out_dtype=jnp.float32), exact) for r in (0.0, 1.0)]
+    assert errs[0] > errs[1], errs
     w16 = rel(pk.nvfp4_matmul(x, w, mode="w4a16", backend="pallas", out_dtype=jnp.float32), exact)
-    assert w16 < errs[3] * 1.2 and np.isclose(w16, rel(xf @ wd.T, exact), rtol=1e-3)
+    assert w16 < errs[1] * 1.2 and np.isclose(w16, rel(xf @ wd.T, exact), rtol=1e-3)
 
 
 @pytest.mark.parametrize("rho", [0.0, 0.5])

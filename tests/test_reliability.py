@@ -64,7 +64,7 @@ def test_engine_edge_values(engine):
     assert a.output_ids == b.output_ids and a.logprobs == b.logprobs  # top_k >= vocabulary: no top-k
 
 
-@pytest.mark.parametrize("backend", ["xla", "pallas"])
+@pytest.mark.parametrize("backend", ["xla", pytest.param("pallas", marks=pytest.mark.slow)])
 def test_outputs_do_not_depend_on_batch_companions(backend):
     """A request's tokens and log-probs, bit for bit: alone, beside long prompts, in another
     arrival order, and with other stop lists beside it."""
