@@ -15,7 +15,7 @@
 #   ncu           Nsight Compute on the NVFP4 kernels at decode shapes (benchmarks/ncu_probe.py)
 # The device returns only a few files: each stage's log and outputs are appended to one tar,
 # $OUT/results.tar (extract with tar -xf), and removed.
-# Usage (device, from the repo root, with .whl carried: tokamax and its pure-Python needs):
+# Usage (device, from the repo root, with .whl carried: scripts/gpu_wheels.sh fills it here):
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl; OUT=... bash benchmarks/gpu_session.sh
 set -uo pipefail
 o="${OUT:-runs/gpu}"
