@@ -28,6 +28,7 @@ import itertools
 import json
 import os
 import queue
+import re
 import threading
 import time
 import uuid
@@ -346,8 +347,6 @@ def _no_constant(name):
 def _redact(message: str, path: str) -> str:
     """The first line of an error message, without listings (``[...]``: step numbers, file or
     directory names) and with the resolved path shortened to its last component."""
-    import re
-
     line = (message.splitlines() or [""])[0]
     line = re.sub(r"\[[^\]]*\]", "[...]", line).replace(path, os.path.basename(path.rstrip(os.sep)))
     return line[:300]

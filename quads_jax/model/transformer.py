@@ -66,10 +66,11 @@ class Transformer(nnx.Module):
         """The output projection [V, d]: the lm_head, or the tied embedding."""
         return value(self.embed) if self.lm_head is None else value(self.lm_head.w)
 
-    def head(self, x, prec: P.Precision):
-        """Logits in float32 for hidden states x [..., d] (after the final norm)."""
-        return P.linear(x, self.head_weight(), prec.mode("lm_head"), dtype=jnp.float32, backend=prec.backend,
-                        operand_dtype=self.cfg.dtype)
+    def head(self, x, prec: P.Precision, w=None):
+        """Logits in float32 for hidden states x [..., d] (after the final norm), through the
+        head weight ``w`` (default ``head_weight()``): compute-dtype operands, FP32 accumulation."""
+        return P.linear(x, self.head_weight() if w is None else w, prec.mode("lm_head"), dtype=jnp.float32,
+                        backend=prec.backend, operand_dtype=self.cfg.dtype)
 
     def forward(self, tokens, *, mask=None, positions=None, cache=None, precision=None, forced_experts=None, expert_fn=None,
                 head=True):
@@ -102,7 +103,7 @@ class Transformer(nnx.Module):
             key_valid = jnp.arange(s)[None, :] < (start + n_new)[:, None]
             lengths = None
         else:
-            lengths = None
+            lengths = None  # set only for the right-padded rows that flash attention takes
             if positions is None:
                 positions = jnp.broadcast_to(jnp.arange(t)[None, :], (b, t))
                 lengths = mask.sum(1).astype(jnp.int32)
@@ -178,8 +179,7 @@ def token_logprobs(model: Transformer, tokens, mask=None, *, precision=None, for
     prec = precision or model.precision
     h, aux, _ = model.forward(tokens, mask=mask, precision=prec, forced_experts=forced_experts, head=False)
     b, t, d = h.shape
-    mode = prec.mode("lm_head")
-    head_fn = lambda hc, w: P.linear(hc, w, mode, dtype=jnp.float32, backend=prec.backend, operand_dtype=model.cfg.dtype)
+    head_fn = lambda hc, w: model.head(hc, prec, w)
     tok = chunked_logprobs(h[:, :-1].reshape(-1, d), model.head_weight(), tokens[:, 1:].reshape(-1), head_fn,
                            model.cfg.logits_chunk if chunk is None else chunk).reshape(b, t - 1)
     out = jnp.concatenate([jnp.zeros_like(tok[:, :1]), tok], axis=1)
