@@ -61,8 +61,10 @@ def kernel_breakdown(fn, args, top=12):
     return out
 
 
-def grouped_gemm(peak, tokens, cfg, impls):
-    """The expert GEMMs alone, fwd + bwd (dx and dW), at the bench model's shapes."""
+def grouped_gemm(peak, tokens, cfg, impls, tiles=None):
+    """The expert GEMMs alone, fwd + bwd (dx and dW), at the bench model's shapes: ``impls``
+    among tokamax (heuristic tiles), tokamax-tuned (``tiles``), triton (tokamax's Triton
+    kernels) and xla."""
     import jax
     import jax.numpy as jnp
 
@@ -77,7 +79,14 @@ def grouped_gemm(peak, tokens, cfg, impls):
         for name, (k, n) in {"gate_up": (d, 2 * f), "down": (f, d)}.items():
             x = jax.random.normal(jax.random.key(3), (m, k), jnp.bfloat16)
             w = (jax.random.normal(jax.random.key(4), (e, n, k), jnp.float32) * k**-0.5).astype(jnp.bfloat16)
-            loss = lambda x, w: jnp.sum(pk.grouped_dot(x, w, gs, impl=impl).astype(jnp.float32) ** 2)
+            if impl == "triton":
+                import tokamax
+                dot = lambda x, w: tokamax.ragged_dot(x, jnp.swapaxes(w, 1, 2), gs, preferred_element_type=x.dtype,
+                                                      implementation="triton")
+            else:
+                t = pk.GroupedTiles() if impl == "tokamax" else tiles
+                dot = lambda x, w, t=t: pk.grouped_dot(x, w, gs, impl="xla" if impl == "xla" else "tokamax", tiles=t)
+            loss = lambda x, w, dot=dot: jnp.sum(dot(x, w).astype(jnp.float32) ** 2)
             g = jax.jit(jax.grad(loss, argnums=(0, 1)))
             key = f"{impl}/{name}"
             try:
@@ -104,7 +113,76 @@ def grouped_gemm(peak, tokens, cfg, impls):
     return out
 
 
-def train_config(cfg_big, policy, grouped, attention, remat, batch, seq, peak, steps=6, breakdown=False):
+# (block_m, block_n, block_k, num_stages, persistent); the first is tokamax's sm90 heuristic
+TILE_CANDIDATES = [(64, 64, 128, 2, False), (128, 64, 128, 4, False), (128, 128, 64, 4, False), (128, 128, 128, 2, False),
+                   (64, 128, 128, 4, False), (64, 256, 64, 4, False), (128, 64, 64, 4, False), (128, 128, 64, 4, True),
+                   (128, 64, 128, 4, True), (64, 128, 128, 4, True)]
+
+
+def tune_tiles(peak, tokens, cfg, budget_s):
+    """tokamax's three expert-GEMM kernels (fwd, dx, dW) timed alone over TILE_CANDIDATES at the
+    bench model's two expert shapes; each output is checked against the heuristic tiles'. The
+    tiles with the least time summed over both shapes win, per kernel."""
+    import jax
+    import jax.numpy as jnp
+    from tokamax._src.ops.ragged_dot import base
+
+    import pallas_kernels as pk
+    from pallas_kernels.float_grouped import tokamax_op
+    t0 = time.time()
+    e, d, f = cfg.n_experts, cfg.d_model, cfg.expert_ffn
+    m = tokens * cfg.experts_per_token
+    rng = np.random.default_rng(0)
+    gs = jnp.asarray(rng.multinomial(m, rng.dirichlet(np.full(e, 2.0))), jnp.int32)
+    rows, total = [], collections.defaultdict(float)
+    for shape, (k, n) in {"gate_up": (d, 2 * f), "down": (f, d)}.items():
+        x = jax.random.normal(jax.random.key(3), (m, k), jnp.bfloat16)
+        dy = jax.random.normal(jax.random.key(5), (m, n), jnp.bfloat16)
+        w = (jax.random.normal(jax.random.key(4), (e, k, n), jnp.float32) * k**-0.5).astype(jnp.bfloat16)
+        calls = {"fwd": (x, w, base.DEFAULT_RAGGED_DOT_DIM_NUMS), "dx": (dy, w, base.TRANS_RHS_RAGGED_DOT_DIM_NUMS),
+                 "dw": (x, dy, base.RAGGED_CONTRACTING_DOT_DIM_NUMS)}
+        for kernel, (a, b, dims) in calls.items():
+            ref = None
+            for cand in TILE_CANDIDATES:
+                if kernel == "dw" and cand[4]:
+                    continue
+                key = (kernel, cand)
+                if time.time() - t0 > budget_s:
+                    rows.append({"shape": shape, "kernel": kernel, "tiles": cand, "error": "skipped: tuning budget"})
+                    total[key] = float("inf")
+                    continue
+                tiles = pk.GroupedTiles(**{kernel: pk.Tiles(*cand)})
+                op = tokamax_op(tiles, kernel)
+                fn = jax.jit(lambda a, b, op=op, dims=dims: op(a, b, group_sizes=gs, ragged_dot_dimension_numbers=dims,
+                                                               preferred_element_type=jnp.bfloat16))
+                try:
+                    y = jax.block_until_ready(fn(a, b))
+                    if ref is None:
+                        ref = y
+                    rel = float(jnp.linalg.norm((y - ref).astype(jnp.float32)) / jnp.linalg.norm(ref.astype(jnp.float32)))
+                    ts = []
+                    for _ in range(7):
+                        t1 = time.perf_counter()
+                        jax.block_until_ready(fn(a, b))
+                        ts.append(time.perf_counter() - t1)
+                    dt = float(np.median(ts))
+                    ok = rel < 1e-2
+                    rows.append({"shape": shape, "kernel": kernel, "tiles": cand, "ms": dt * 1e3, "rel_vs_heuristic": rel,
+                                 "frac_of_peak": 2 * m * k * n / dt / peak})
+                    total[key] += dt if ok else float("inf")
+                except Exception as ex:
+                    rows.append({"shape": shape, "kernel": kernel, "tiles": cand, "error": f"{type(ex).__name__}: {ex}"[:300]})
+                    total[key] = float("inf")
+                print("tiles", rows[-1], flush=True)
+    best = {}
+    for kernel in ("fwd", "dx", "dw"):
+        cands = [(t, c) for (kk, c), t in total.items() if kk == kernel and np.isfinite(t)]
+        if cands:
+            best[kernel] = min(cands)[1]
+    return {"rows": rows, "best": best, "M": m}
+
+
+def train_config(cfg_big, policy, grouped, attention, remat, batch, seq, peak, steps=6, breakdown=False, tiles=None):
     import jax
     import jax.numpy as jnp
     from flax import nnx
@@ -117,7 +195,7 @@ def train_config(cfg_big, policy, grouped, attention, remat, batch, seq, peak, s
     from quads_jax.train.state import OptimConfig, init_state, make_optimizer, make_train_step, split_params
 
     cfg = ModelConfig(**{**cfg_big, "remat": remat, "max_seq_len": max(seq, cfg_big["max_seq_len"])})
-    kc = pk.KernelConfig(grouped=grouped, attention=attention)
+    kc = pk.KernelConfig(grouped=grouped, attention=attention, **({} if tiles is None else {"grouped_tiles": tiles}))
     prec = P.train_policy_with(policy, kc)
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     g, params, _ = split_params(model)
@@ -170,17 +248,29 @@ def markdown(res):
     lines = [f"# Train step benchmark ({res.get('date')}, {res.get('device')}, jax {res.get('jax')})", "",
              f"Command: `{res.get('command')}`", "",
              f"Model: {res.get('model')}. BF16 matmul peak measured in this process: {res.get('peak_TFLOPs', 0):.0f} TFLOP/s.", "",
-             "| policy | grouped | attention | remat | tokens (B x T) | step ms | tokens/s | MFU | MFU (6N) | mem est GiB | loss first -> last |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| policy | grouped (tiles) | attention | remat | tokens (B x T) | step ms | tokens/s | MFU | MFU (6N) | mem est GiB | peak GiB | loss first -> last |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["configs"]:
         if "error" in r:
             lines.append(f"| {r['policy']} | {r['grouped']} | {r['attention']} | {r['remat']} | {r['batch']}x{r['seq']} | "
-                         f"error: {r['error'][:120]} | | | | | |")
+                         f"error: {r['error'][:120]} | | | | | | |")
             continue
         est = "-" if r.get("mem_estimate_GiB") is None else f"{r['mem_estimate_GiB']:.1f}"
-        lines.append(f"| {r['policy']} | {r['grouped']} | {r['attention']} | {r['remat']} | {r['tokens']} ({r['batch']}x{r['seq']}) | "
+        lines.append(f"| {r['policy']} | {r['grouped']} ({r.get('tiles', '-')}) | {r['attention']} | {r['remat']} | {r['tokens']} ({r['batch']}x{r['seq']}) | "
                      f"{1e3 * r['step_s']:.1f} | {r['tokens_per_s']:.0f} | {100 * r['MFU']:.1f}% | {100 * r['MFU_6N']:.1f}% | {est} | "
+                     f"{r.get('process_peak_GiB', 0):.1f} | "
                      f"{r['loss_first']:.3f} -> {r['loss_last']:.3f} |")
+    tt = res.get("tiles")
+    if tt:
+        lines += ["", f"## tokamax tiles, each kernel alone ({tt['M']} rows), against the measured peak", "",
+                  f"Chosen (least time over both shapes, per kernel): {tt.get('chosen')}", "",
+                  "| shape | kernel | (bm, bn, bk, stages, persistent) | ms | of peak | rel vs heuristic |", "|---|---|---|---|---|---|"]
+        for r in tt["rows"]:
+            if "error" in r:
+                lines.append(f"| {r['shape']} | {r['kernel']} | {tuple(r['tiles'])} | {r['error'][:80]} | | |")
+            else:
+                lines.append(f"| {r['shape']} | {r['kernel']} | {tuple(r['tiles'])} | {r['ms']:.2f} | {100 * r['frac_of_peak']:.0f}% | "
+                             f"{r['rel_vs_heuristic']:.1e} |")
     gg = res.get("grouped_gemm")
     if gg:
         lines += ["", "## Expert grouped GEMM alone, fwd + bwd", "", "| impl/weight | M x K -> N | ms | TFLOP/s | of peak | rel err vs xla |",
@@ -216,9 +306,10 @@ def parse_configs(spec: str):
 DEFAULT = ",".join([
     "bf16:tokamax:cudnn:none:8x4096",    # 32k tokens: the target config
     "nvfp4_w:tokamax:cudnn:none:8x4096",
+    "bf16:tokamax:cudnn:none:2x4096",    # 8k tokens
+    "nvfp4_w:tokamax:cudnn:none:2x4096",
     "bf16:xla:xla:none:1x1024",          # the old path (ragged_dot expanded densely), for the ratio
     "bf16:tokamax:cudnn:none:1x1024",
-    "bf16:tokamax:cudnn:none:2x4096",    # 8k tokens
     "bf16:tokamax:cudnn:full:16x4096",   # 64k
     "bf16:tokamax:tokamax:none:8x4096",
     "bf16:tokamax:cudnn:full:32x4096",   # 128k
@@ -230,6 +321,7 @@ def main():
 
     import jax
 
+    import pallas_kernels as pk
     from benchmarks.bench_model import BIG
     from quads_jax.model import ModelConfig
 
@@ -238,7 +330,8 @@ def main():
     ap.add_argument("--configs", default=DEFAULT, help="policy:grouped:attention:remat:BxT, comma-separated")
     ap.add_argument("--breakdown", default="bf16:tokamax:cudnn:none:8x4096", help="configs to profile per kernel")
     ap.add_argument("--gemm-tokens", type=int, default=32768, help="tokens of the grouped-GEMM microbenchmark (0: skip)")
-    ap.add_argument("--gemm-impls", default="tokamax,xla")
+    ap.add_argument("--gemm-impls", default="tokamax,tokamax-tuned,triton,xla")
+    ap.add_argument("--tune", type=float, default=150, help="seconds of the tile sweep (0: no sweep, tokamax's heuristic tiles)")
     ap.add_argument("--budget", type=float, default=540, help="seconds: no new config starts after this")
     ap.add_argument("--tiny", action="store_true", help="a small model, to check the harness on a CPU")
     a = ap.parse_args()
@@ -254,9 +347,21 @@ def main():
     RES["peak_TFLOPs"] = matmul_peak() / 1e12
     print("peak", RES["peak_TFLOPs"], flush=True)
     peak = RES["peak_TFLOPs"] * 1e12
+    tiles = None
+    if a.tune and jax.default_backend() == "gpu":
+        try:
+            RES["tiles"] = tune_tiles(peak, a.gemm_tokens or 32768, cfg, a.tune)
+            b = RES["tiles"]["best"]
+            tiles = pk.GroupedTiles(**{k: pk.Tiles(*v) for k, v in b.items()})
+            RES["tiles"]["chosen"] = repr(tiles)
+        except Exception as e:
+            RES["errors"]["tune_tiles"] = f"{type(e).__name__}: {e}"[:1000]
+            traceback.print_exc()
+        save(a.out)
     if a.gemm_tokens:
         try:
-            RES["grouped_gemm"] = grouped_gemm(peak, a.gemm_tokens, cfg, a.gemm_impls.split(","))
+            impls = [i for i in a.gemm_impls.split(",") if i != "tokamax-tuned" or tiles is not None]
+            RES["grouped_gemm"] = grouped_gemm(peak, a.gemm_tokens, cfg, impls, tiles=tiles)
         except Exception as e:
             RES["errors"]["grouped_gemm"] = f"{type(e).__name__}: {e}"[:1000]
         save(a.out)
@@ -268,7 +373,8 @@ def main():
         p, g, at, r, b, t = spec
         key = f"{p}:{g}:{at}:{r}:{b}x{t}"
         try:
-            row = train_config(dataclasses.asdict(cfg), p, g, at, r, b, t, peak, breakdown=key in prof)
+            row = train_config(dataclasses.asdict(cfg), p, g, at, r, b, t, peak, breakdown=key in prof, tiles=tiles)
+            row["tiles"] = "tuned" if tiles is not None else "heuristic"
         except Exception as e:
             row = {"policy": p, "grouped": g, "attention": at, "remat": r, "batch": b, "seq": t,
                    "error": f"{type(e).__name__}: {e}"[:600]}

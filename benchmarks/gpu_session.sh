@@ -47,7 +47,7 @@ run_stage() {
     sass) stage 60 sass python3 $BK --out "$o/sass" --only sass ;;
     decode) stage "${DECODE_CAP:-170}" decode python3 $BK --out "$o/decode" --only ceilings,decode ${DECODE_QUICK:+--quick} ;;
     grouped) stage "${GROUPED_CAP:-100}" grouped python3 $BK --out "$o/grouped" --only grouped ;;
-    gpu_tests) stage "${GPU_TESTS_CAP:-150}" gpu_tests python3 -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider ;;
+    gpu_tests) stage "${GPU_TESTS_CAP:-150}" gpu_tests python3 -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider ${GPU_TESTS_ARGS:-} ;;
     train) stage "${TRAIN_CAP:-330}" train python3 benchmarks/bench_train.py --out "$o/train" --budget $(( ${TRAIN_CAP:-330} - 90 )) ${TRAIN_ARGS:-} ;;
     quant) stage "${QUANT_CAP:-200}" quant python3 $BK --out "$o/quant" --only quant ;;
     ncu) stage "${NCU_CAP:-120}" ncu bash benchmarks/ncu_stage.sh "$o/ncu" ;;

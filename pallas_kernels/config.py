@@ -16,6 +16,10 @@ Fields (each validated here, with a one-line error naming the field):
                attention through ``jax.nn.dot_product_attention``), "tokamax" (tokamax's
                Mosaic GPU flash attention and its VJP), "xla" (the reference: the full score
                tensor), or "auto" (cudnn on a GPU, xla elsewhere).
+    grouped_tiles  the tiles of the three tokamax expert GEMMs, ``GroupedTiles(fwd, dx, dw)``
+               (each a ``Tiles``, or None for tokamax's own heuristic, a 64 x 64 tile on sm90).
+               The default is the fastest measured at the bench model's shapes on an H100
+               (benchmarks/results/2026-12-05-h100-train-tiles).
 
 "auto" resolves from the platform the computation is traced for, never from process state,
 so the same config gives the same program on the same machine.
@@ -46,16 +50,61 @@ def _pick(field: str, value: str, allowed: tuple[str, ...], gpu_choice: str) -> 
 
 
 @dataclasses.dataclass(frozen=True)
+class Tiles:
+    """One tile config of tokamax's sm90 grouped GEMM: an output tile of ``block_m`` x
+    ``block_n``, ``block_k`` deep, ``num_stages`` copies in flight; ``persistent`` keeps one
+    program per SM looping over tiles (the forward and dx kernels only)."""
+    block_m: int = 64
+    block_n: int = 64
+    block_k: int = 128
+    num_stages: int = 2
+    persistent: bool = False
+
+    def __post_init__(self):
+        for name in ("block_m", "block_n", "block_k", "num_stages"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"kernels.grouped_tiles: {name}={v!r}, expected a positive integer")
+        if self.block_m % 64 or self.block_n % 64 or self.block_k % 64:
+            raise ValueError(f"kernels.grouped_tiles: block_m, block_n, block_k must be multiples of 64, got "
+                             f"{self.block_m}, {self.block_n}, {self.block_k}")
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupedTiles:
+    """Tiles of the forward product (x @ W_e), dx (dy @ W_e.T) and dW (x_e.T @ dy_e)."""
+    fwd: Tiles | None = None
+    dx: Tiles | None = None
+    dw: Tiles | None = None
+
+    @classmethod
+    def from_dict(cls, d) -> "GroupedTiles":
+        if isinstance(d, GroupedTiles):
+            return d
+        if not isinstance(d, dict) or set(d) - {"fwd", "dx", "dw"}:
+            raise ValueError(f"kernels.grouped_tiles: expected a mapping with keys among fwd, dx, dw, got {d!r}")
+        return cls(**{k: None if v is None else (v if isinstance(v, Tiles) else Tiles(**v)) for k, v in d.items()})
+
+
+# The fastest measured at the bench model's expert shapes (64 experts, 1024 -> 1024 and
+# 512 -> 1024, 262k rows) on an H100: see the grouped_tiles field above.
+DEFAULT_GROUPED_TILES = GroupedTiles()
+
+
+@dataclasses.dataclass(frozen=True)
 class KernelConfig:
     backend: str = "auto"
     grouped: str = "auto"
     attention: str = "auto"
+    grouped_tiles: GroupedTiles = DEFAULT_GROUPED_TILES
 
     def __post_init__(self):
         for name, allowed in (("backend", BACKENDS), ("grouped", GROUPED), ("attention", ATTENTION)):
             v = getattr(self, name)
             if v != "auto" and v not in allowed:
                 raise ValueError(f"kernels.{name}={v!r}: expected one of {('auto',) + allowed}")
+        if not isinstance(self.grouped_tiles, GroupedTiles):
+            object.__setattr__(self, "grouped_tiles", GroupedTiles.from_dict(self.grouped_tiles))
 
     def resolved_backend(self) -> str:
         return _pick("backend", self.backend, BACKENDS, "pallas")

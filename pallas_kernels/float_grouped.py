@@ -14,7 +14,8 @@ Implementations, picked by ``impl`` (``KernelConfig.grouped``):
                products over all experts (memory and time grow with tokens x experts).
 
 Both return ``out_dtype`` (default: x's dtype) from FP32 accumulation, and both are
-differentiable.
+differentiable. ``tiles`` (a ``GroupedTiles``) sets tokamax's tiles for the forward product,
+dx and dW separately; None fields keep tokamax's heuristic.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.config import KernelConfig
+from pallas_kernels.config import GroupedTiles, KernelConfig, Tiles
 
 # rows of x ragged over the groups, w's group axis 0, x's axis 1 contracted with w's axis 2
 DIMS = jax.lax.RaggedDotDimensionNumbers(
@@ -45,15 +46,37 @@ def grouped_dot_xla(x, w, group_sizes, *, out_dtype=None):
     return y.astype(out_dtype or x.dtype)
 
 
-def grouped_dot_tokamax(x, w, group_sizes, *, out_dtype=None):
-    """tokamax's grouped GEMM (Mosaic GPU on sm90), FP32 accumulation."""
+def _tokamax_config(t: Tiles | None, kernel: str):
+    if t is None:
+        return None
+    from tokamax._src.ops.ragged_dot import pallas_mosaic_gpu_common as common
+    return common.Config(block_m=t.block_m, block_n=t.block_n, block_k=t.block_k, num_stages=t.num_stages, split_k=1,
+                         persistent=t.persistent and kernel != "dw", grid_minor_dim=common.MatmulDimension.M,
+                         grid_tile_width=1)
+
+
+def tokamax_op(tiles: GroupedTiles | None = None, kernel: str | None = None):
+    """tokamax's Mosaic GPU ragged-dot op with our tiles: for ``kernel`` "fwd", "dx" or "dw"
+    alone (no VJP of its own), or, for None, the forward op whose VJP runs the dx and dW ops."""
+    import functools
+
+    from tokamax._src.ops.ragged_dot import base, pallas_mosaic_gpu as mgpu
+    tiles = tiles or GroupedTiles()
+    if kernel is not None:
+        return mgpu.PallasMosaicGpuRaggedDot(config=_tokamax_config(getattr(tiles, kernel), kernel))
+    vjp = functools.partial(base.vjp, dlhs_ragged_dot=tokamax_op(tiles, "dx"), drhs_ragged_dot=tokamax_op(tiles, "dw"))
+    return mgpu.PallasMosaicGpuRaggedDot(config=_tokamax_config(tiles.fwd, "fwd"), vjp=vjp)
+
+
+def grouped_dot_tokamax(x, w, group_sizes, *, out_dtype=None, tiles: GroupedTiles | None = None):
+    """tokamax's grouped GEMM (Mosaic GPU on sm90), FP32 accumulation, with ``tiles``."""
     _check(x, w, group_sizes)
     try:
         import tokamax
     except ImportError as e:  # pragma: no cover - depends on the install
         raise ImportError("kernels.grouped='tokamax' needs tokamax (pip install 'quads-jax[gpu]'), "
                           "or set kernels.grouped='xla'") from e
-    impl = None if jax.default_backend() == "gpu" else "xla"  # tokamax's own XLA path off the GPU
+    impl = [tokamax_op(tiles)] if jax.default_backend() == "gpu" else "xla"  # tokamax's own XLA path off the GPU
     # The kernel accumulates in FP32 and writes x's dtype; its VJP needs the cotangent in that
     # dtype too (its backward GEMMs take operands of one dtype). The weight goes in as [E, K, N]
     # with the default dimension numbers: tokamax 0.0.17 transposes a [E, N, K] weight itself
@@ -64,8 +87,11 @@ def grouped_dot_tokamax(x, w, group_sizes, *, out_dtype=None):
     return y.astype(out_dtype or x.dtype)
 
 
-def grouped_dot(x, w, group_sizes, *, impl: str = "auto", out_dtype=None):
-    """``x_e @ w[e].T`` per group, by ``impl`` ("tokamax", "xla" or "auto")."""
+def grouped_dot(x, w, group_sizes, *, impl: str = "auto", out_dtype=None, tiles: GroupedTiles | None = None):
+    """``x_e @ w[e].T`` per group, by ``impl`` ("tokamax", "xla" or "auto"); ``tiles`` for
+    tokamax (default: ``KernelConfig().grouped_tiles``)."""
     which = KernelConfig(grouped=impl).resolved_grouped()
-    fn = grouped_dot_tokamax if which == "tokamax" else grouped_dot_xla
-    return fn(x, w, group_sizes, out_dtype=out_dtype)
+    if which == "tokamax":
+        return grouped_dot_tokamax(x, w, group_sizes, out_dtype=out_dtype,
+                                   tiles=KernelConfig().grouped_tiles if tiles is None else tiles)
+    return grouped_dot_xla(x, w, group_sizes, out_dtype=out_dtype)

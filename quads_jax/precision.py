@@ -257,11 +257,12 @@ def _bf16(x):
 
 
 def grouped_linear(x, w, group_sizes, mode: str, *, dtype=jnp.bfloat16, rac_ratio: float = 0.0, rac_sum: str = "fp16", backend=None,
-                   grouped: str = "auto"):
+                   grouped: str = "auto", tiles=None):
     """Per-expert ``x_e @ W_e.T`` for rows of x [M, K] (or QuantizedRows) sorted by expert and
     W [E, N, K]; ``w`` may be a list of expert weights that read the same rows (gate/up): the
     list of outputs, from one kernel launch when they are NVFP4. Float weights go through
-    ``pk.grouped_dot`` (``grouped``: "tokamax", "xla" or "auto"), in their stored layout."""
+    ``pk.grouped_dot`` (``grouped``: "tokamax", "xla" or "auto"; ``tiles``: its
+    ``pk.GroupedTiles``), in their stored layout."""
     ws, many = _weights(w)
     launches = _nvfp4_launches(ws)
     if launches is not None:
@@ -269,15 +270,24 @@ def grouped_linear(x, w, group_sizes, mode: str, *, dtype=jnp.bfloat16, rac_rati
                                           rac_sum=rac_sum, act_scale="token", mode="w4a16" if mode == "w4a16" else "w4a4", backend=backend,
                                           out_dtype=dtype)
                   for g in launches), ())
+    elif all(isinstance(wi, fp8.FP8Tensor) for wi in ws):
+        ys = tuple(pk.fp8_grouped_matmul(x.astype(jnp.bfloat16), wi, group_sizes, backend=backend, out_dtype=dtype) for wi in ws)
+    elif any(isinstance(wi, (nvfp4.NVFP4Tensor, fp8.FP8Tensor)) for wi in ws):
+        raise ValueError("w: quantized expert weights mixed with other weights in one grouped call")
     else:
-        ys = tuple(_grouped_one(x, wi, group_sizes, mode, dtype=dtype, backend=backend, grouped=grouped) for wi in ws)
+        ys = _grouped_float(x, ws, group_sizes, mode, dtype=dtype, grouped=grouped, tiles=tiles)
     return list(ys) if many else ys[0]
 
 
-def _grouped_one(x, w, group_sizes, mode, *, dtype, backend, grouped):
-    if isinstance(w, nvfp4.NVFP4Tensor):
-        raise ValueError("w: NVFP4 expert weights mixed with other weights in one grouped call")
-    if isinstance(w, fp8.FP8Tensor):
-        return pk.fp8_grouped_matmul(x.astype(jnp.bfloat16), w, group_sizes, backend=backend, out_dtype=dtype)
-    a, b = _float_operands(x.astype(dtype), w, mode)
-    return pk.grouped_dot(a.astype(dtype), b.astype(dtype), group_sizes, impl=grouped, out_dtype=dtype)
+def _grouped_float(x, ws, group_sizes, mode, *, dtype, grouped, tiles):
+    """Float expert weights that read the same rows (gate/up) as one GEMM over their outputs
+    concatenated: one read of x, and in the backward pass one dx product instead of a sum
+    of several. Each weight is fake-quantized on its own (its own tensor scale) first."""
+    ops = [_float_operands(x.astype(dtype), wi, mode) for wi in ws]
+    a = ops[0][0]
+    b = ops[0][1] if len(ops) == 1 else jnp.concatenate([bi.astype(dtype) for _, bi in ops], axis=1)
+    y = pk.grouped_dot(a.astype(dtype), b.astype(dtype), group_sizes, impl=grouped, out_dtype=dtype, tiles=tiles)
+    if len(ops) == 1:
+        return (y,)
+    cuts = [sum(wi.shape[1] for wi in ws[:i + 1]) for i in range(len(ws) - 1)]
+    return tuple(jnp.split(y, cuts, axis=1))

@@ -67,7 +67,8 @@ def expert_ffn(xs, w_gate, w_up, w_down, group_sizes, prec: P.Precision, dtype):
     """SwiGLU over rows sorted by expert, through the grouped-matmul dispatch."""
     mode = prec.mode("experts")
     gl = lambda a, w: P.grouped_linear(a, w, group_sizes, mode, dtype=dtype, rac_ratio=prec.rac_ratio, rac_sum=prec.rac_sum,
-                                       backend=prec.backend, grouped=prec.kernels.grouped)
+                                       backend=prec.backend, grouped=prec.kernels.grouped,
+                                       tiles=prec.kernels.grouped_tiles)
     g, u = gl(xs, [w_gate, w_up])  # one launch for both under an NVFP4 recipe
     h = jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)
     return gl(h.astype(dtype), w_down)
