@@ -10,7 +10,7 @@ mkdir -p .whl
 py="${PYTHON:-python3}"
 plat="--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
 for p in tokamax==0.0.17 qwix einshape immutabledict absl-py xprof==2.24.2 pydantic pydantic-core annotated-types \
-         typing-inspection tensorboardx fire termcolor six tqdm treescope; do
+         typing-inspection tensorboardx fire termcolor six tqdm treescope jax-triton; do
   "$py" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $plat -d .whl "$p"
 done
 ls .whl
