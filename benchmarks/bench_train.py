@@ -113,10 +113,18 @@ def grouped_gemm(peak, tokens, cfg, impls, tiles=None):
     return out
 
 
-# (block_m, block_n, block_k, num_stages, persistent); the first is tokamax's sm90 heuristic
+# tokamax: (block_m, block_n, block_k, num_stages, persistent); the first is its sm90 heuristic
 TILE_CANDIDATES = [(64, 64, 128, 2, False), (128, 64, 128, 4, False), (128, 128, 64, 4, False), (128, 128, 128, 2, False),
-                   (64, 128, 128, 4, False), (64, 256, 64, 4, False), (128, 64, 64, 4, False), (128, 128, 64, 4, True),
-                   (128, 64, 128, 4, True), (64, 128, 128, 4, True)]
+                   (64, 128, 128, 4, False), (128, 64, 64, 4, False), (128, 128, 64, 4, True),
+                   (128, 64, 128, 4, True), (64, 128, 128, 4, True), (128, 128, 64, 3, True)]
+# ours (pallas_kernels.grouped_dw), dW only: (block_k, block_n, block_r, num_warps, num_stages)
+DW_CANDIDATES = [(128, 128, 64, 8, 3), (128, 128, 32, 4, 4), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4), (128, 128, 64, 4, 3),
+                 (256, 128, 64, 8, 3), (128, 64, 64, 4, 4)]
+
+
+def _tile_obj(kernel, cand):
+    import pallas_kernels as pk
+    return pk.DwTiles(*cand[1:]) if cand[0] == "pallas" else pk.Tiles(*cand[1:])
 
 
 def tune_tiles(peak, tokens, cfg, budget_s, kernels=None, candidates=None):
@@ -165,15 +173,16 @@ def tune_tiles(peak, tokens, cfg, budget_s, kernels=None, candidates=None):
             if kernels and kernel not in kernels:
                 continue
             ref = None
-            for cand in candidates or TILE_CANDIDATES:
-                if kernel == "dw" and cand[4]:
-                    continue
+            cands = [("tokamax",) + c for c in (candidates or TILE_CANDIDATES) if not (kernel == "dw" and c[4])]
+            if kernel == "dw":
+                cands += [("pallas",) + c for c in DW_CANDIDATES]
+            for cand in cands:
                 key = (kernel, cand)
                 if time.time() - t0 > budget_s:
                     rows.append({"shape": shape, "kernel": kernel, "tiles": cand, "error": "skipped: tuning budget"})
                     total[key] = float("inf")
                     continue
-                tiles = pk.GroupedTiles(**{kernel: pk.Tiles(*cand)})
+                tiles = pk.GroupedTiles(**{kernel: _tile_obj(kernel, cand)})
                 op = tokamax_op(tiles, kernel)
                 fn = jax.jit(lambda a, b, op=op, dims=dims: op(a, b, group_sizes=gs, ragged_dot_dimension_numbers=dims,
                                                                preferred_element_type=jnp.bfloat16))
@@ -288,7 +297,7 @@ def markdown(res):
     if tt:
         lines += ["", f"## tokamax tiles, each kernel alone ({tt['M']} rows), against the measured peak", "",
                   f"Chosen (least time over both shapes, per kernel): {tt.get('chosen')}", "",
-                  "| shape | kernel | (bm, bn, bk, stages, persistent) | ms | of peak | rel vs heuristic | rel vs FP32 |",
+                  "| shape | kernel | tiles: tokamax (bm, bn, bk, stages, persistent) or pallas (bk, bn, br, warps, stages) | ms | of peak | rel vs heuristic | rel vs FP32 |",
                   "|---|---|---|---|---|---|---|"]
         for r in tt["rows"]:
             if "error" in r:
@@ -377,7 +386,7 @@ def main():
         try:
             RES["tiles"] = tune_tiles(peak, a.gemm_tokens or 32768, cfg, a.tune)
             b = RES["tiles"]["best"]
-            tiles = pk.GroupedTiles(**{k: pk.Tiles(*v) for k, v in b.items()})
+            tiles = pk.GroupedTiles(**{k: _tile_obj(k, v) for k, v in b.items()})
             RES["tiles"]["chosen"] = repr(tiles)
         except Exception as e:
             RES["errors"]["tune_tiles"] = f"{type(e).__name__}: {e}"[:1000]

@@ -9,7 +9,8 @@ argument), never process state.
 """
 
 from pallas_kernels.attention import attention_xla, causal_attention, causal_attention_xla
-from pallas_kernels.config import BACKENDS, GroupedTiles, KernelConfig, Tiles
+from pallas_kernels.config import BACKENDS, DwTiles, GroupedTiles, KernelConfig, Tiles
+from pallas_kernels.grouped_dw import grouped_dw, grouped_dw_xla
 from pallas_kernels.float_grouped import grouped_dot, grouped_dot_xla
 from pallas_kernels.fp8_gemm import fp8_grouped_matmul, fp8_matmul
 from pallas_kernels.decode import DecodeConfig, nvfp4_block_values, nvfp4_block_values_xla
@@ -20,7 +21,7 @@ from pallas_kernels.quantizer import (QuantConfig, QuantizedRows, quantize_activ
                                                  quantize_operand, quantize_rows)
 
 __all__ = [
-    "BACKENDS", "KernelConfig", "GroupedTiles", "Tiles", "grouped_dot", "grouped_dot_xla", "causal_attention", "causal_attention_xla",
+    "BACKENDS", "KernelConfig", "GroupedTiles", "Tiles", "DwTiles", "grouped_dw", "grouped_dw_xla", "grouped_dot", "grouped_dot_xla", "causal_attention", "causal_attention_xla",
     "attention_xla",
     "QuantConfig", "quantize_activations", "quantize_activations_rac", "QuantizedRows", "quantize_rows",
     "quantize_operand",

@@ -71,11 +71,36 @@ class Tiles:
 
 
 @dataclasses.dataclass(frozen=True)
+class DwTiles:
+    """Tiles of our Pallas dW kernel (``pallas_kernels.grouped_dw``): an output tile of
+    ``block_k`` x ``block_n`` accumulated over ``block_r`` rows a step."""
+    block_k: int = 128
+    block_n: int = 128
+    block_r: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+
+    def __post_init__(self):
+        for name in ("block_k", "block_n", "block_r", "num_warps", "num_stages"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"kernels.grouped_tiles.dw: {name}={v!r}, expected a positive integer")
+        if self.block_k % 16 or self.block_n % 16 or self.block_r % 16:
+            raise ValueError(f"kernels.grouped_tiles.dw: block_k, block_n, block_r must be multiples of 16, got "
+                             f"{self.block_k}, {self.block_n}, {self.block_r}")
+
+    def check(self, k: int, n: int) -> None:
+        if k % self.block_k or n % self.block_n:
+            raise ValueError(f"kernels.grouped_tiles.dw: tiles ({self.block_k}, {self.block_n}) must divide K={k} and N={n}")
+
+
+@dataclasses.dataclass(frozen=True)
 class GroupedTiles:
-    """Tiles of the forward product (x @ W_e), dx (dy @ W_e.T) and dW (x_e.T @ dy_e)."""
+    """Tiles of the forward product (x @ W_e), dx (dy @ W_e.T) and dW (x_e.T @ dy_e). The dW
+    entry's type picks its kernel: ``Tiles`` tokamax's, ``DwTiles`` ours (grouped_dw)."""
     fwd: Tiles | None = None
     dx: Tiles | None = None
-    dw: Tiles | None = None
+    dw: Tiles | DwTiles | None = None
 
     @classmethod
     def from_dict(cls, d) -> "GroupedTiles":
@@ -83,7 +108,15 @@ class GroupedTiles:
             return d
         if not isinstance(d, dict) or set(d) - {"fwd", "dx", "dw"}:
             raise ValueError(f"kernels.grouped_tiles: expected a mapping with keys among fwd, dx, dw, got {d!r}")
-        return cls(**{k: None if v is None else (v if isinstance(v, Tiles) else Tiles(**v)) for k, v in d.items()})
+        def one(k, v):
+            if v is None or isinstance(v, (Tiles, DwTiles)):
+                return v
+            if not isinstance(v, dict):
+                raise ValueError(f"kernels.grouped_tiles.{k}: expected a mapping of tile sizes, got {v!r}")
+            if k == "dw" and "block_r" in v:
+                return DwTiles(**v)
+            return Tiles(**v)
+        return cls(**{k: one(k, v) for k, v in d.items()})
 
 
 # The fastest measured at the bench model's expert shapes (64 experts, 1024 -> 1024 and

@@ -23,7 +23,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.config import GroupedTiles, KernelConfig, Tiles
+from pallas_kernels.config import DwTiles, GroupedTiles, KernelConfig, Tiles
+from pallas_kernels.grouped_dw import grouped_dw
 
 # rows of x ragged over the groups, w's group axis 0, x's axis 1 contracted with w's axis 2
 DIMS = jax.lax.RaggedDotDimensionNumbers(
@@ -55,6 +56,18 @@ def _tokamax_config(t: Tiles | None, kernel: str):
                          grid_tile_width=1)
 
 
+def _pallas_dw(x, dy, *, group_sizes, ragged_dot_dimension_numbers, preferred_element_type=None, tiles, **_):
+    """tokamax's dW call signature (x [M, K], dy [M, N], contracting the ragged rows) on our
+    Pallas kernel."""
+    if ragged_dot_dimension_numbers != DW_DIMS:
+        raise NotImplementedError(f"grouped_dw: dimension numbers {ragged_dot_dimension_numbers}")
+    return grouped_dw(x, dy, group_sizes, out_dtype=preferred_element_type or x.dtype, config=tiles)
+
+
+DW_DIMS = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0],
+                                            rhs_group_dimensions=[])
+
+
 def tokamax_op(tiles: GroupedTiles | None = None, kernel: str | None = None):
     """tokamax's Mosaic GPU ragged-dot op with our tiles: for ``kernel`` "fwd", "dx" or "dw"
     alone (no VJP of its own), or, for None, the forward op whose VJP runs the dx and dW ops."""
@@ -62,6 +75,8 @@ def tokamax_op(tiles: GroupedTiles | None = None, kernel: str | None = None):
 
     from tokamax._src.ops.ragged_dot import base, pallas_mosaic_gpu as mgpu
     tiles = tiles or GroupedTiles()
+    if kernel == "dw" and isinstance(tiles.dw, DwTiles):
+        return functools.partial(_pallas_dw, tiles=tiles.dw)
     if kernel is not None:
         return mgpu.PallasMosaicGpuRaggedDot(config=_tokamax_config(getattr(tiles, kernel), kernel))
     vjp = functools.partial(base.vjp, dlhs_ragged_dot=tokamax_op(tiles, "dx"), drhs_ragged_dot=tokamax_op(tiles, "dw"))

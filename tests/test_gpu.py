@@ -23,7 +23,10 @@ def rel(a, b):
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def test_tokamax_grouped_dot_fwd_bwd_equals_ragged_dot():
+@pytest.mark.parametrize("tiles", [pk.GroupedTiles(), pk.KernelConfig().grouped_tiles,
+                                   pk.GroupedTiles(dw=pk.DwTiles()), pk.GroupedTiles(dw=pk.DwTiles(block_n=256))],
+                         ids=["heuristic", "default", "pallas_dw", "pallas_dw_256"])
+def test_tokamax_grouped_dot_fwd_bwd_equals_ragged_dot(tiles):
     rng = np.random.default_rng()
     m, e, k, n = 4096, 16, 512, 256
     counts = rng.multinomial(m, rng.dirichlet(np.ones(e)))
@@ -33,9 +36,9 @@ def test_tokamax_grouped_dot_fwd_bwd_equals_ragged_dot():
     ct = jnp.asarray(rng.standard_normal((m, n)), jnp.bfloat16)
     # the gradients of <y, ct>: dx = ct_e @ W_e and dW_e = ct_e^T @ x_e, BF16 operands
     f = lambda impl: jax.jit(jax.grad(
-        lambda x, w: jnp.sum(pk.grouped_dot(x, w, gs, impl=impl).astype(jnp.float32) * ct), argnums=(0, 1)))
+        lambda x, w: jnp.sum(pk.grouped_dot(x, w, gs, impl=impl, tiles=tiles).astype(jnp.float32) * ct), argnums=(0, 1)))
     gt, gr = f("tokamax")(x, w), f("xla")(x, w)
-    assert rel(pk.grouped_dot(x, w, gs, impl="tokamax"), pk.grouped_dot_xla(x, w, gs)) < 1e-2
+    assert rel(pk.grouped_dot(x, w, gs, impl="tokamax", tiles=tiles), pk.grouped_dot_xla(x, w, gs)) < 1e-2
     for a, b in zip(gt, gr):
         assert rel(a, b) < 1e-2
 
