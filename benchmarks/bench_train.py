@@ -84,8 +84,9 @@ def grouped_gemm(peak, tokens, cfg, impls, tiles=None):
                 dot = lambda x, w: tokamax.ragged_dot(x, jnp.swapaxes(w, 1, 2), gs, preferred_element_type=x.dtype,
                                                       implementation="triton")
             else:
-                t = pk.GroupedTiles() if impl == "tokamax" else tiles
+                t = {"tokamax": pk.GroupedTiles(), "default": pk.KernelConfig().grouped_tiles}.get(impl, tiles)
                 dot = lambda x, w, t=t: pk.grouped_dot(x, w, gs, impl="xla" if impl == "xla" else "tokamax", tiles=t)
+            # impls: tokamax (its heuristic tiles), default (KernelConfig's tiles), tokamax-tuned (this run's sweep)
             loss = lambda x, w, dot=dot: jnp.sum(dot(x, w).astype(jnp.float32) ** 2)
             g = jax.jit(jax.grad(loss, argnums=(0, 1)))
             key = f"{impl}/{name}"
@@ -408,7 +409,7 @@ def main():
         key = f"{p}:{g}:{at}:{r}:{b}x{t}"
         try:
             row = train_config(dataclasses.asdict(cfg), p, g, at, r, b, t, peak, breakdown=key in prof, tiles=tiles)
-            row["tiles"] = "tuned" if tiles is not None else "heuristic"
+            row["tiles"] = "tuned" if tiles is not None else "default"
         except Exception as e:
             row = {"policy": p, "grouped": g, "attention": at, "remat": r, "batch": b, "seq": t,
                    "error": f"{type(e).__name__}: {e}"[:600]}

@@ -16,9 +16,10 @@ Fields (each validated here, with a one-line error naming the field):
                attention through ``jax.nn.dot_product_attention``), "tokamax" (tokamax's
                Mosaic GPU flash attention and its VJP), "xla" (the reference: the full score
                tensor), or "auto" (cudnn on a GPU, xla elsewhere).
-    grouped_tiles  the tiles of the three tokamax expert GEMMs, ``GroupedTiles(fwd, dx, dw)``
-               (each a ``Tiles``, or None for tokamax's own heuristic, a 64 x 64 tile on sm90).
-               The default is the fastest measured at the bench model's shapes on an H100
+    grouped_tiles  the tiles of the three expert GEMMs, ``GroupedTiles(fwd, dx, dw)``: each a
+               tokamax ``Tiles`` or None for tokamax's own heuristic (a 64 x 64 tile on sm90);
+               dw may instead be a ``DwTiles``, which runs our Pallas dW kernel. The default
+               is the fastest measured at the bench model's shapes on an H100
                (benchmarks/results/2026-12-05-h100-train-tiles).
 
 "auto" resolves from the platform the computation is traced for, never from process state,
@@ -120,11 +121,12 @@ class GroupedTiles:
 
 
 # The fastest measured at the bench model's expert shapes (64 experts, 1024 -> 1024 and
-# 512 -> 1024, 262k rows) on an H100, bit-identical to the heuristic's output there (fwd and
-# dx: 1.6x faster). dW keeps tokamax's heuristic: the faster dW tiles have not yet passed the
-# FP32 check on the device.
+# 512 -> 1024, 262k rows) on an H100 (benchmarks/results/2026-12-05-h100-train-tiles). fwd and
+# dx: tokamax with 128 x 128 tiles, bit-identical to its heuristic's output and 1.6x faster.
+# dW: our kernel, 2.6x faster than tokamax's heuristic and within 1.7e-3 of FP32 products,
+# where tokamax's dW was 9e-3 off at its heuristic tiles and wrong (2e-2 to inf) at larger ones.
 _TILE = Tiles(block_m=128, block_n=128, block_k=64, num_stages=4, persistent=True)
-DEFAULT_GROUPED_TILES = GroupedTiles(fwd=_TILE, dx=_TILE, dw=None)
+DEFAULT_GROUPED_TILES = GroupedTiles(fwd=_TILE, dx=_TILE, dw=DwTiles(block_k=128, block_n=256, block_r=64, num_warps=8, num_stages=3))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -61,7 +61,8 @@ def _pallas_dw(x, dy, *, group_sizes, ragged_dot_dimension_numbers, preferred_el
     Pallas kernel."""
     if ragged_dot_dimension_numbers != DW_DIMS:
         raise NotImplementedError(f"grouped_dw: dimension numbers {ragged_dot_dimension_numbers}")
-    return grouped_dw(x, dy, group_sizes, out_dtype=preferred_element_type or x.dtype, config=tiles)
+    gs = jnp.array(group_sizes)  # tokamax passes its GroupSizes wrapper, which converts to an array
+    return grouped_dw(x, dy, gs, out_dtype=preferred_element_type or x.dtype, config=tiles)
 
 
 DW_DIMS = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0],
