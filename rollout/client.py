@@ -39,6 +39,8 @@ class RolloutClient:
             try:
                 with urllib.request.urlopen(req, timeout=self.timeout) as r:
                     raw = r.read()
+                    if "json" not in (r.headers.get("Content-Type") or "application/json"):
+                        return raw.decode(errors="replace")  # SGLang answers /flush_cache and /health in text
                     return json.loads(raw) if raw else None
             except urllib.error.HTTPError as e:
                 raw = e.read()
@@ -67,11 +69,24 @@ class RolloutClient:
             body["weight_version"] = weight_version
         return self._call("POST", "/update_weights_from_disk", body)
 
-    def flush_cache(self):
-        return self._call("POST", "/flush_cache", {})
+    def flush_cache(self) -> bool:
+        """True when the server flushed (SGLang answers 200 with a text body)."""
+        self._call("POST", "/flush_cache", {})
+        return True
 
-    def health(self):
-        return self._call("GET", "/health")
+    def health(self) -> bool:
+        """True when the server answers /health with 200 (SGLang's body is empty)."""
+        self._call("GET", "/health")
+        return True
+
+    def abort_request(self, rid: str | None = None, *, abort_all: bool = False):
+        return self._call("POST", "/abort_request", {"abort_all": True} if abort_all else {"rid": rid})
+
+    def pause_generation(self):
+        return self._call("POST", "/pause_generation", {})
+
+    def continue_generation(self):
+        return self._call("POST", "/continue_generation", {})
 
     def health_generate(self):
         return self._call("GET", "/health_generate")

@@ -40,11 +40,35 @@ from typing import Any
 from rollout.bridge import WeightBridge
 from rollout.engine import Engine, Request, Result
 
+# SGLang's GenerateReqInput (0.5.23): fields this server honours; fields it cannot honour, refused
+# with a 400 naming them when set to anything but their SGLang default (a value that changes
+# nothing); any other top-level field is ignored, as SGLang ignores fields it does not know.
 GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "return_logprob", "rid", "stream", "logprob_start_len",
-                   "top_logprobs_num", "return_text_in_logprobs", "return_experts"}
+                   "return_text_in_logprobs", "return_experts", "log_metrics", "session_id"}
+GENERATE_UNSUPPORTED = {  # field -> its values that change nothing
+    "input_embeds": (None,), "image_data": (None, []), "video_data": (None, []), "audio_data": (None, []),
+    "lora_path": (None,), "lora_id": (None,), "custom_logit_processor": (None,), "return_hidden_states": (None, False),
+    "session_params": (None,), "token_ids_logprob": (None,), "top_logprobs_num": (None, 0),
+    "return_routed_experts": (None, False), "return_indexer_topk": (None, False), "return_sampling_mask": (None, False),
+    "bootstrap_host": (None,), "bootstrap_room": (None,),
+}
+GENERATE_WHY = {
+    "top_logprobs_num": "top log-probs are not computed by this engine",
+    "return_routed_experts": "this engine records routing for generated tokens only (ask for return_experts)",
+    "input_embeds": "the engine takes token ids", "custom_logit_processor": "no custom logit processors",
+}
+# SGLang's SamplingParams (0.5.23), every field: honoured, or refused (400 naming it) unless at a
+# value that changes nothing; an unknown field is a 400, as SGLang's SamplingParams(**d) fails.
 SAMPLING_FIELDS = {"max_new_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids", "ignore_eos", "seed",
-                   "sampling_seed", "skip_special_tokens", "min_p", "n"}
+                   "sampling_seed", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
+                   "stream_interval", "custom_params", "min_p", "n"}
+SAMPLING_NEUTRAL = {  # field -> the values that change nothing; others are refused
+    "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "repetition_penalty": (1, 1.0), "min_new_tokens": (0,),
+    "logit_bias": (None, {}), "regex": (None,), "json_schema": (None,), "ebnf": (None,), "structural_tag": (None,),
+    "stop_regex": (None, [], ""), "beam_width": (None, 1), "watermark": (None,), "ebnf_full_assistant": (False,),
+}
 UPDATE_FIELDS = {"model_path", "weight_version", "load_format", "abort_all_requests"}
+FLUSH_TEXT = "Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, the operation will not be performed.)\n"
 MAX_BODY = 64 << 20
 SOCKET_TIMEOUT_S = 60.0  # idle or slow clients are dropped after this long without progress
 LISTEN_BACKLOG = 1024
@@ -52,6 +76,13 @@ LISTEN_BACKLOG = 1024
 
 class BadRequest(ValueError):
     """A client error: answered 400 with the message."""
+
+
+@dataclasses.dataclass
+class _Reply:
+    """An endpoint's status and payload (a str payload is sent as text/plain)."""
+    code: int
+    payload: Any
 
 
 def _expect(cond: bool, msg: str):
@@ -73,8 +104,13 @@ def parse_sampling(sp: dict | None, *, tokenizer, eos_id) -> dict:
     """SGLang ``sampling_params`` -> Request keyword arguments (+ ``stop_strings``)."""
     sp = {} if sp is None else sp
     _expect(isinstance(sp, dict), "sampling_params: expected an object")
-    unknown = sorted(set(sp) - SAMPLING_FIELDS)
+    unknown = sorted(set(sp) - SAMPLING_FIELDS - set(SAMPLING_NEUTRAL))
     _expect(not unknown, f"sampling_params: unknown fields {unknown}; supported: {sorted(SAMPLING_FIELDS)}")
+    for k, neutral in SAMPLING_NEUTRAL.items():
+        if k in sp:
+            _expect(any(sp[k] == v and type(sp[k]) is not bool for v in neutral) or (sp[k] is None and None in neutral)
+                    or (isinstance(sp[k], bool) and sp[k] in neutral and isinstance(neutral[0], bool)),
+                    f"sampling_params.{k}={sp[k]!r}: not supported by this engine (only {neutral[0]!r})")
     out: dict[str, Any] = {}
     num = lambda k: _number(sp, k)
     if "max_new_tokens" in sp:
@@ -117,7 +153,18 @@ def parse_sampling(sp: dict | None, *, tokenizer, eos_id) -> dict:
         _expect(isinstance(sp["ignore_eos"], bool), "sampling_params.ignore_eos: expected true or false")
         out["ignore_eos"] = sp["ignore_eos"]
     out["stop_strings"] = strings
+    for k in ("skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
+        if k in sp:
+            _expect(isinstance(sp[k], bool), f"sampling_params.{k}: expected true or false")
+    out["decode"] = {"skip_special_tokens": sp.get("skip_special_tokens", True),
+                     "spaces_between_special_tokens": sp.get("spaces_between_special_tokens", True)}
+    out["no_stop_trim"] = bool(sp.get("no_stop_trim", False))
+    if sp.get("custom_params") is not None:  # SGLang hands these only to custom logit processors, which we refuse
+        _expect(isinstance(sp["custom_params"], dict), "sampling_params.custom_params: expected an object")
     return out
+
+
+LOCAL_KEYS = ("stop_strings", "decode", "no_stop_trim")  # parse_sampling's keys that are the server's, not the engine's
 
 
 def _encode(tokenizer, text: str) -> list[int]:
@@ -127,22 +174,36 @@ def _encode(tokenizer, text: str) -> list[int]:
         raise BadRequest(str(e)) from e
 
 
-def _cut_at_stop(text: str, ids: list, lps: list, strings: list[str], tokenizer):
-    """Truncate at the first stop string (SGLang excludes it from the text)."""
+def _decode(tokenizer, ids, opts: dict | None = None) -> str:
+    """tokenizer.decode with SGLang's detokenization options where the tokenizer takes them."""
+    if opts:
+        try:
+            return tokenizer.decode(ids, **opts)
+        except TypeError:  # a tokenizer without the options decodes its one way
+            pass
+    return tokenizer.decode(ids)
+
+
+def _cut_at_stop(text: str, ids: list, lps: list, strings: list[str], tokenizer, *, keep: bool = False, opts=None):
+    """Truncate at the first stop string: SGLang excludes it from the text, or keeps it with
+    ``no_stop_trim`` (``keep``)."""
     hits = [(text.find(s), s) for s in strings if s in text]
     if not hits:
         return text, ids, lps, None
     pos, s = min(hits)
+    end = pos + len(s) if keep else pos
     for n in range(1, len(ids) + 1):  # shortest token prefix whose text contains the stop string
-        if s in tokenizer.decode(ids[:n]):
-            return text[:pos], ids[:n], lps[:n], s
-    return text[:pos], ids, lps, s
+        if s in _decode(tokenizer, ids[:n], opts):
+            return text[:end], ids[:n], lps[:n], s
+    return text[:end], ids, lps, s
 
 
 @dataclasses.dataclass
 class _Job:
     request: Request
     future: Future
+    rid: str | None = None
+    seq: int = 0
 
 
 class RolloutServer:
@@ -161,13 +222,36 @@ class RolloutServer:
         self._q: queue.Queue = queue.Queue()
         self._ids = itertools.count()
         self._stop = threading.Event()
+        self._running = threading.Event()  # cleared by /pause_generation: queued requests wait
+        self._running.set()
+        self._seq = itertools.count(1)
+        self._abort_lock = threading.Lock()
+        self._aborted_rids: set[str] = set()
+        self._abort_below = 0  # queued jobs with a smaller sequence number were aborted (abort_all)
         self.batches: list[int] = []  # sizes of the engine calls (observable batching)
         self._thread = threading.Thread(target=self._schedule, name="quads-scheduler", daemon=True)
         self._thread.start()
 
     # -- scheduling
+    def _aborted(self, job: _Job) -> bool:
+        with self._abort_lock:
+            return job.seq < self._abort_below or (job.rid is not None and job.rid in self._aborted_rids)
+
+    def _finish_aborted(self, jobs: list[_Job]) -> list[_Job]:
+        """Answer the aborted jobs (finish_reason "abort", no tokens); the others, to run."""
+        keep = []
+        for j in jobs:
+            if self._aborted(j):
+                j.future.set_result(Result(output_ids=[], logprobs=[], finish_reason="abort",
+                                           prompt_tokens=len(j.request.prompt), weight_version=self.engine.version))
+            else:
+                keep.append(j)
+        return keep
+
     def _schedule(self):
         while not self._stop.is_set():
+            if not self._running.wait(timeout=0.1):
+                continue
             try:
                 first = self._q.get(timeout=0.1)
             except queue.Empty:
@@ -179,6 +263,11 @@ class RolloutServer:
                     jobs.append(self._q.get(timeout=max(0.0, deadline - time.monotonic())))
                 except queue.Empty:
                     break
+            while not self._running.is_set() and not self._stop.is_set():  # paused after these were taken
+                self._running.wait(timeout=0.1)
+            jobs = self._finish_aborted(jobs)
+            if not jobs:
+                continue
             self.batches.append(len(jobs))
             try:
                 results = self.engine.generate([j.request for j in jobs])
@@ -191,12 +280,12 @@ class RolloutServer:
                     except Exception as e:  # noqa: BLE001 - handed to that request's thread
                         j.future.set_exception(e)
 
-    def submit(self, requests: list[Request]) -> list[Result]:
+    def submit(self, requests: list[Request], rids: list | None = None) -> list[Result]:
         self.engine.validate(requests)
         futs = []
-        for r in requests:
+        for r, rid in zip(requests, rids or [None] * len(requests)):
             f: Future = Future()
-            self._q.put(_Job(r, f))
+            self._q.put(_Job(r, f, rid, next(self._seq)))
             futs.append(f)
         return [f.result() for f in futs]
 
@@ -213,8 +302,10 @@ class RolloutServer:
             ("GET", "/flush_cache"): self.flush_cache, ("POST", "/flush_cache"): self.flush_cache,
             ("GET", "/health"): self.health,
             ("GET", "/health_generate"): self.health_generate,
-            ("GET", "/get_model_info"): self.model_info,
-            ("GET", "/get_server_info"): self.server_info,
+            ("GET", "/get_model_info"): self.model_info, ("GET", "/model_info"): self.model_info,
+            ("GET", "/get_server_info"): self.server_info, ("GET", "/server_info"): self.server_info,
+            ("POST", "/abort_request"): self.abort_request,
+            ("POST", "/pause_generation"): self.pause_generation, ("POST", "/continue_generation"): self.continue_generation,
         }
         fn = routes.get((method, path))
         if fn is None:
@@ -231,7 +322,8 @@ class RolloutServer:
                 except RecursionError:
                     raise BadRequest("malformed JSON body: nested too deeply") from None
                 _expect(isinstance(payload, dict), "body: expected a JSON object")
-            return 200, fn(payload)
+            out = fn(payload)
+            return (out.code, out.payload) if isinstance(out, _Reply) else (200, out)
         except BadRequest as e:
             return 400, {"error": {"message": str(e), "code": 400}}
         except ValueError as e:  # engine validation: context length, token ids
@@ -240,9 +332,13 @@ class RolloutServer:
             return 500, {"error": {"message": f"{type(e).__name__}: {e}", "code": 500}}
 
     def generate(self, body: dict):
-        unknown = sorted(set(body) - GENERATE_FIELDS)
-        _expect(not unknown, f"unknown fields {unknown}; supported: {sorted(GENERATE_FIELDS)}")
+        for k, neutral in GENERATE_UNSUPPORTED.items():
+            if k in body and not any(body[k] == v and type(body[k]) is type(v) for v in neutral):
+                _expect(False, f"{k}: not supported by this server ({GENERATE_WHY.get(k, 'the engine cannot do it')})")
         _expect(not body.get("stream"), "stream: streaming is not supported by this server")
+        lsl = body.get("logprob_start_len")
+        _expect(lsl is None or lsl == -1, f"logprob_start_len={lsl!r}: input token log-probs are not computed by this "
+                                         "engine (only -1, the default)")
         _expect(("text" in body) != ("input_ids" in body), "expected exactly one of 'text' and 'input_ids'")
         if "text" in body:
             t = body["text"]
@@ -266,20 +362,22 @@ class RolloutServer:
         base_seed = next(self._ids)
         reqs = []
         for i, (p, sp) in enumerate(zip(prompts, parsed)):
-            kw = {k: v for k, v in sp.items() if k != "stop_strings"}
+            kw = {k: v for k, v in sp.items() if k not in LOCAL_KEYS}
             kw.setdefault("seed", (base_seed * 7919 + i) % (2**31))
             reqs.append(Request(prompt=p, return_experts=bool(body.get("return_experts")), **kw))
         rid = body.get("rid")
         if isinstance(rid, list):
             _expect(len(rid) == len(prompts) and all(isinstance(x, str) for x in rid),
                     f"rid: expected one string per prompt ({len(prompts)})")
-        results = self.submit(reqs)
+        results = self.submit(reqs, rids=rid if isinstance(rid, list) else [rid] * len(reqs))
         want_lp = bool(body.get("return_logprob"))
+        lp_text = bool(body.get("return_text_in_logprobs"))
         outs = []
         for i, (r, sp) in enumerate(zip(results, parsed)):
             ids, lps = list(r.output_ids), list(r.logprobs)
-            text = self.tokenizer.decode(ids)
-            text, ids, lps, hit = _cut_at_stop(text, ids, lps, sp["stop_strings"], self.tokenizer)
+            text = _decode(self.tokenizer, ids, sp["decode"])
+            text, ids, lps, hit = _cut_at_stop(text, ids, lps, sp["stop_strings"], self.tokenizer, keep=sp["no_stop_trim"],
+                                               opts=sp["decode"])
             finish = {"type": "stop", "matched": hit} if hit else {"type": r.finish_reason}
             if r.finish_reason == "stop" and not hit and ids:
                 finish["matched"] = ids[-1]
@@ -288,25 +386,56 @@ class RolloutServer:
             meta = {"id": (rid[i] if isinstance(rid, list) else rid) or uuid.uuid4().hex, "finish_reason": finish,
                     "prompt_tokens": r.prompt_tokens, "completion_tokens": len(ids), "weight_version": r.weight_version}
             if want_lp:
-                meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(lps, ids)]
+                meta["output_token_logprobs"] = [[lp, t, _decode(self.tokenizer, [t], sp["decode"]) if lp_text else None]
+                                                 for lp, t in zip(lps, ids)]
+                # SGLang's default logprob_start_len (-1) starts at the last prompt token, which has no log-prob
+                meta["input_token_logprobs"] = [[None, prompts[i][-1], None]]
             if r.experts is not None:
                 meta["routed_experts"] = r.experts[: len(ids)]
             outs.append({"text": text, "output_ids": ids, "meta_info": meta})
         return outs[0] if single else outs
 
     def update_weights_from_disk(self, body: dict):
-        unknown = sorted(set(body) - UPDATE_FIELDS)
-        _expect(not unknown, f"unknown fields {unknown}; supported: {sorted(UPDATE_FIELDS)}")
+        """SGLang's request (model_path, load_format, weight_version, abort_all_requests; its other
+        fields are ignored) and reply: {success, message, num_paused_requests}, 400 on failure."""
         path = body.get("model_path")
-        _expect(isinstance(path, str) and path, "model_path: expected a path string")
-        real = self.allowed_weights_path(path)
         try:
-            version = self.bridge.load_from_disk(real, version=body.get("weight_version"))
-        except Exception as e:  # noqa: BLE001 - missing, corrupt or mismatched: the old weights stay
-            raise BadRequest(f"weight update failed, old weights kept (version {self.engine.version!r}): "
-                             f"{type(e).__name__}: {_redact(str(e), real)}") from e
+            _expect(isinstance(path, str) and path, "model_path: expected a path string")
+            _expect(body.get("load_format") in (None, "auto"), f"load_format={body.get('load_format')!r}: only 'auto'")
+            real = self.allowed_weights_path(path)
+            if body.get("abort_all_requests"):
+                self.abort_request({"abort_all": True})
+            try:
+                version = self.bridge.load_from_disk(real, version=body.get("weight_version"))
+            except Exception as e:  # noqa: BLE001 - missing, corrupt or mismatched: the old weights stay
+                raise BadRequest(f"weight update failed, old weights kept (version {self.engine.version!r}): "
+                                 f"{type(e).__name__}: {_redact(str(e), real)}") from e
+        except BadRequest as e:
+            return _Reply(400, {"success": False, "message": str(e), "num_paused_requests": 0})
         self.model_path = path
-        return {"success": True, "message": f"loaded {path}", "weight_version": version}
+        return {"success": True, "message": f"Succeeded to update model weights from {path}.", "num_paused_requests": 0,
+                "weight_version": version}
+
+    def abort_request(self, body: dict):
+        """SGLang's {rid} or {abort_all: true}: queued requests end with finish_reason "abort";
+        a batch already on the device finishes."""
+        rid, all_ = body.get("rid"), bool(body.get("abort_all"))
+        _expect(all_ or isinstance(rid, str), "abort_request: expected 'rid' (a string) or 'abort_all': true")
+        with self._abort_lock:
+            if all_:
+                self._abort_below = next(self._seq)
+            else:
+                self._aborted_rids.add(rid)
+        return _Reply(200, "")
+
+    def pause_generation(self, _body=None):
+        """Queued requests wait until /continue_generation; a batch on the device finishes."""
+        self._running.clear()
+        return _Reply(200, {"message": "Generation paused successfully."})
+
+    def continue_generation(self, _body=None):
+        self._running.set()
+        return _Reply(200, {"message": "Generation continued successfully."})
 
     def allowed_weights_path(self, path: str) -> str:
         """``path`` with symlinks resolved, if it lies under an allowed weights root; else 400
@@ -318,10 +447,12 @@ class RolloutServer:
         return real
 
     def flush_cache(self, _body=None):
-        return {"success": True, "message": "no prefix cache is kept between batches; nothing to flush"}
+        """SGLang's reply, as text (this engine keeps no prefix cache between batches)."""
+        return _Reply(200, FLUSH_TEXT)
 
     def health(self, _body=None):
-        return {"status": "ok", "weight_version": self.engine.version}
+        """SGLang answers 200 with an empty body."""
+        return _Reply(200, "")
 
     def health_generate(self, _body=None):
         r = self.submit([Request(prompt=[getattr(self.tokenizer, "bos_id", 1)], max_new_tokens=1, temperature=0.0)])[0]
@@ -358,9 +489,10 @@ def _handler(server: RolloutServer, socket_timeout: float):
         timeout = socket_timeout  # an idle or stalled client frees its thread
 
         def _reply(self, code: int, payload):
-            data = json.dumps(payload).encode()
+            text = isinstance(payload, str)
+            data = payload.encode() if text else json.dumps(payload).encode()
             self.send_response(code)
-            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Type", "text/plain; charset=utf-8" if text else "application/json")
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)

@@ -224,7 +224,8 @@ def test_hostile_update_paths_are_refused_alike(served):
               str(tmp / "allowed" / "missing")):
         code, err = _post(port, "/update_weights_from_disk", {"model_path": p})
         assert code == 400, p
-        msgs.add(err["error"]["message"])
+        msgs.add(err["message"])
+        assert err["success"] is False
     assert len(msgs) == 1 and "outside" not in next(iter(msgs))  # one message: nothing about what exists
     _save(str(tmp / "allowed" / "ck"), _params(1), step=4)
     code, out = _post(port, "/update_weights_from_disk", {"model_path": str(tmp / "allowed" / "ck")})
@@ -284,7 +285,7 @@ def test_server_refuses_corrupt_weights_and_keeps_the_old(served):
     _flip_a_byte(os.path.join(d, "1"))
     before = _post(port, "/generate", _gen(3))[1]
     code, err = _post(port, "/update_weights_from_disk", {"model_path": d})
-    assert code == 400 and "old weights kept" in err["error"]["message"]
+    assert code == 400 and not err["success"] and "old weights kept" in err["message"]
     after = _post(port, "/generate", _gen(3))[1]
     assert after["output_ids"] == before["output_ids"]
     assert after["meta_info"]["weight_version"] == before["meta_info"]["weight_version"]

@@ -129,7 +129,8 @@ def test_server_api_in_process_batches_and_rejects_bad_requests():
             assert len(srv.batches) - n0 < 4
         bad = [
             ("POST", "/generate", b"{not json"),
-            ("POST", "/generate", body({"input_ids": [1, 2], "bogus": 1})),
+            ("POST", "/generate", body({"input_ids": [1, 2], "lora_path": "adapter"})),
+            ("POST", "/generate", body({"input_ids": [1, 2], "sampling_params": {"regex": "[0-9]+"}})),
             ("POST", "/generate", body({"input_ids": [1, 2], "sampling_params": {"temperature": -1}})),
             ("POST", "/generate", body({"input_ids": [1, 999]})),
             ("POST", "/generate", body({"input_ids": [1] * 39, "sampling_params": {"max_new_tokens": 4}})),
@@ -138,10 +139,12 @@ def test_server_api_in_process_batches_and_rejects_bad_requests():
         ]
         for method, path, b in bad:
             code, err = srv.handle(method, path, b)
-            assert code == 400 and err["error"]["message"], (path, b, err)
+            msg = err["message"] if path == "/update_weights_from_disk" else err["error"]["message"]
+            assert code == 400 and msg, (path, b, err)
         assert srv.handle("GET", "/nope", b"")[0] == 404
         assert srv.handle("GET", "/generate", b"")[0] == 405
-        assert srv.handle("GET", "/health", b"")[1]["weight_version"] == "v0"
+        assert srv.handle("GET", "/health", b"") == (200, "")
+        assert srv.handle("GET", "/get_model_info", b"")[1]["weight_version"] == "v0"
         code, t = srv.handle("POST", "/generate", body({"text": "12+3", "sampling_params": {"max_new_tokens": 6, "stop": ["0"], "temperature": 0.0}}))
         assert code == 200 and "0" not in t["text"]
     finally:
@@ -180,14 +183,14 @@ def test_quads_serve_subprocess_end_to_end(tmp_path):
         assert e.value.status == 400 and "nope" in e.value.message
         with pytest.raises(RolloutError) as e:
             c.update_weights_from_disk(str(tmp_path / "missing"))
-        assert e.value.status == 400 and c.health()["weight_version"] == "random-init"
+        assert e.value.status == 400 and c.model_info()["weight_version"] == "random-init"
         assert c.update_weights_from_disk(str(tmp_path / "ck"), weight_version="w3")["success"]
         new = c.rollout(prompts, max_new_tokens=6, temperature=0.0)
         assert all(o["weight_version"] == "w3" for o in new)
         assert [o["output_ids"] for o in new] != [o["output_ids"] for o in outs]
         info = c.server_info()
         assert info["recipe"] == "quads" and info["weight_version"] == "w3" and c.model_info()["is_generation"]
-        assert c.flush_cache()["success"] and c.health_generate()["status"] == "ok"
+        assert c.flush_cache() and c.health() and c.health_generate()["status"] == "ok"
     finally:
         proc.terminate()
         try:
