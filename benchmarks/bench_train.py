@@ -118,7 +118,7 @@ def grouped_gemm(peak, tokens, cfg, impls, tiles=None):
 TILE_CANDIDATES = [(64, 64, 128, 2, False), (128, 64, 128, 4, False), (128, 128, 64, 4, False), (128, 128, 128, 2, False),
                    (64, 128, 128, 4, False), (128, 64, 64, 4, False), (128, 128, 64, 4, True),
                    (128, 64, 128, 4, True), (64, 128, 128, 4, True), (128, 128, 64, 3, True)]
-# ours (pallas_kernels.grouped_dw), dW only: (block_k, block_n, block_r, num_warps, num_stages)
+# ours (pallas_kernels.grouped_weight_grad), dW only: (block_k, block_n, block_r, num_warps, num_stages)
 DW_CANDIDATES = [(128, 128, 64, 8, 3), (128, 128, 32, 4, 4), (128, 256, 64, 8, 3), (64, 128, 64, 4, 4), (128, 128, 64, 4, 3),
                  (256, 128, 64, 8, 3), (128, 64, 64, 4, 4)]
 

@@ -10,7 +10,7 @@ argument), never process state.
 
 from pallas_kernels.attention import attention_xla, causal_attention, causal_attention_xla
 from pallas_kernels.config import BACKENDS, DwTiles, GroupedTiles, KernelConfig, Tiles
-from pallas_kernels.grouped_dw import grouped_dw, grouped_dw_xla
+from pallas_kernels.grouped_weight_grad import grouped_dw, grouped_dw_xla
 from pallas_kernels.float_grouped import grouped_dot, grouped_dot_xla
 from pallas_kernels.fp8_gemm import fp8_grouped_matmul, fp8_matmul
 from pallas_kernels.decode import DecodeConfig, nvfp4_block_values, nvfp4_block_values_xla

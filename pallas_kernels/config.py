@@ -73,7 +73,7 @@ class Tiles:
 
 @dataclasses.dataclass(frozen=True)
 class DwTiles:
-    """Tiles of our Pallas dW kernel (``pallas_kernels.grouped_dw``): an output tile of
+    """Tiles of our Pallas dW kernel (``pallas_kernels.grouped_weight_grad``): an output tile of
     ``block_k`` x ``block_n`` accumulated over ``block_r`` rows a step."""
     block_k: int = 128
     block_n: int = 128

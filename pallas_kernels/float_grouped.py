@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.config import DwTiles, GroupedTiles, KernelConfig, Tiles
-from pallas_kernels.grouped_dw import grouped_dw
+from pallas_kernels.grouped_weight_grad import grouped_dw
 
 # rows of x ragged over the groups, w's group axis 0, x's axis 1 contracted with w's axis 2
 DIMS = jax.lax.RaggedDotDimensionNumbers(
