@@ -33,6 +33,17 @@ def save(out):
     open(os.path.join(out, "train.md"), "w").write(markdown(RES))
 
 
+def median_s(fn, *args, n=10):
+    """Median wall seconds of ``fn(*args)`` to ready, over ``n`` calls (after a compiled one)."""
+    import jax
+    ts = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts))
+
+
 def matmul_peak():
     import jax
     import jax.numpy as jnp
@@ -41,12 +52,7 @@ def matmul_peak():
     b = jax.random.normal(jax.random.key(2), (n, n), jnp.bfloat16)
     f = jax.jit(lambda a, b: a @ b)
     jax.block_until_ready(f(a, b))
-    ts = []
-    for _ in range(20):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(a, b))
-        ts.append(time.perf_counter() - t0)
-    return 2 * n**3 / float(np.median(ts))
+    return 2 * n**3 / median_s(f, a, b, n=20)
 
 
 def kernel_breakdown(fn, args, top=12):
@@ -99,12 +105,7 @@ def grouped_gemm(peak, tokens, cfg, impls, tiles=None):
                 if ref is not None:
                     rel = max(float(jnp.linalg.norm((a - b).astype(jnp.float32)) / jnp.linalg.norm(b.astype(jnp.float32)))
                               for a, b in zip(got, ref))
-                ts = []
-                for _ in range(10):
-                    t0 = time.perf_counter()
-                    jax.block_until_ready(g(x, w))
-                    ts.append(time.perf_counter() - t0)
-                dt = float(np.median(ts))
+                dt = median_s(g, x, w)
                 flops = 6 * m * k * n
                 out[key] = {"M": m, "K": k, "N": n, "E": e, "fwd_bwd_ms": dt * 1e3, "TFLOPs": flops / dt / 1e12,
                             "frac_of_peak": flops / dt / peak, "rel_err_vs_xla": rel}
@@ -193,12 +194,7 @@ def tune_tiles(peak, tokens, cfg, budget_s, kernels=None, candidates=None):
                         ref = y
                     rel = float(jnp.linalg.norm((y - ref).astype(jnp.float32)) / jnp.linalg.norm(ref.astype(jnp.float32)))
                     rel_true = true_rel(kernel, y, a, b)
-                    ts = []
-                    for _ in range(7):
-                        t1 = time.perf_counter()
-                        jax.block_until_ready(fn(a, b))
-                        ts.append(time.perf_counter() - t1)
-                    dt = float(np.median(ts))
+                    dt = median_s(fn, a, b, n=7)
                     ok = rel_true < 1e-2
                     rows.append({"shape": shape, "kernel": kernel, "tiles": cand, "ms": dt * 1e3, "rel_vs_heuristic": rel,
                                  "rel_vs_fp32": rel_true,

@@ -50,6 +50,16 @@ def _pick(field: str, value: str, allowed: tuple[str, ...], gpu_choice: str) -> 
     return value
 
 
+def _check_tiles(t, where: str, positive: tuple[str, ...], blocks: tuple[str, ...], multiple: int) -> None:
+    for name in positive:
+        v = getattr(t, name)
+        if not isinstance(v, int) or v <= 0:
+            raise ValueError(f"{where}: {name}={v!r}, expected a positive integer")
+    if any(getattr(t, b) % multiple for b in blocks):
+        raise ValueError(f"{where}: {', '.join(blocks)} must be multiples of {multiple}, got "
+                         f"{', '.join(str(getattr(t, b)) for b in blocks)}")
+
+
 @dataclasses.dataclass(frozen=True)
 class Tiles:
     """One tile config of tokamax's sm90 grouped GEMM: an output tile of ``block_m`` x
@@ -62,13 +72,8 @@ class Tiles:
     persistent: bool = False
 
     def __post_init__(self):
-        for name in ("block_m", "block_n", "block_k", "num_stages"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v <= 0:
-                raise ValueError(f"kernels.grouped_tiles: {name}={v!r}, expected a positive integer")
-        if self.block_m % 64 or self.block_n % 64 or self.block_k % 64:
-            raise ValueError(f"kernels.grouped_tiles: block_m, block_n, block_k must be multiples of 64, got "
-                             f"{self.block_m}, {self.block_n}, {self.block_k}")
+        _check_tiles(self, "kernels.grouped_tiles", ("block_m", "block_n", "block_k", "num_stages"),
+                     ("block_m", "block_n", "block_k"), 64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,13 +87,8 @@ class DwTiles:
     num_stages: int = 3
 
     def __post_init__(self):
-        for name in ("block_k", "block_n", "block_r", "num_warps", "num_stages"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v <= 0:
-                raise ValueError(f"kernels.grouped_tiles.dw: {name}={v!r}, expected a positive integer")
-        if self.block_k % 16 or self.block_n % 16 or self.block_r % 16:
-            raise ValueError(f"kernels.grouped_tiles.dw: block_k, block_n, block_r must be multiples of 16, got "
-                             f"{self.block_k}, {self.block_n}, {self.block_r}")
+        _check_tiles(self, "kernels.grouped_tiles.dw", ("block_k", "block_n", "block_r", "num_warps", "num_stages"),
+                     ("block_k", "block_n", "block_r"), 16)
 
     def check(self, k: int, n: int) -> None:
         if k % self.block_k or n % self.block_n:

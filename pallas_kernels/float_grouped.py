@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.config import DwTiles, GroupedTiles, KernelConfig, Tiles
-from pallas_kernels.grouped_weight_grad import grouped_dw
+from pallas_kernels.grouped_weight_grad import DIMS as DW_DIMS, grouped_dw
 
 # rows of x ragged over the groups, w's group axis 0, x's axis 1 contracted with w's axis 2
 DIMS = jax.lax.RaggedDotDimensionNumbers(
@@ -64,9 +64,6 @@ def _pallas_dw(x, dy, *, group_sizes, ragged_dot_dimension_numbers, preferred_el
     gs = jnp.array(group_sizes)  # tokamax passes its GroupSizes wrapper, which converts to an array
     return grouped_dw(x, dy, gs, out_dtype=preferred_element_type or x.dtype, config=tiles)
 
-
-DW_DIMS = jax.lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0],
-                                            rhs_group_dimensions=[])
 
 
 def tokamax_op(tiles: GroupedTiles | None = None, kernel: str | None = None):
