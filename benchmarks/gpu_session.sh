@@ -5,6 +5,8 @@
 #   gpu_tests     pytest -m gpu: every compiled kernel against its XLA reference
 #   train         the trainer-scale benchmark (benchmarks/bench_train.py; TRAIN_ARGS)
 #   rollout       output tok/s, 256 prompts x 512 new tokens, batch 64, every recipe
+#   rollout_scale benchmarks/bench_rollout.py: decode steps vs their byte limit across batches,
+#                 expert GEMMs vs tokamax, the RAC quantizer at K=2048 (ROLLOUT_SCALE_ARGS)
 #   triton_smoke  the SGLang plugin's Triton GEMM: torch launch vs the torch reference, jax-triton vs Pallas
 #   triton        the Triton section: parity and GEMM-only times, jax-triton vs torch vs Pallas
 #   swap, tiles   decode GEMM variants and tiles at T=16, 64
@@ -22,7 +24,7 @@ o="${OUT:-runs/gpu}"
 mkdir -p "$o"
 export PYTHONUNBUFFERED=1 PYTHONPATH=.:/tmp/site:${PYTHONPATH:-} TRITON_HOME=/tmp/triton_home TRITON_CACHE_DIR=/tmp/triton_cache
 mkdir -p "$TRITON_HOME" "$TRITON_CACHE_DIR"
-ALL="gpu_tests train rollout quant triton_smoke decode grouped prefill ncu sass triton swap tiles"
+ALL="gpu_tests train rollout_scale rollout quant triton_smoke decode grouped prefill ncu sass triton swap tiles"
 STAGES="${STAGES:-$ALL}"  # run in the order given
 RECIPES="${RECIPES:-quads,fp8,nvfp4_naive,bf16}"
 DEADLINE="${DEADLINE:-575}"  # seconds from the start: no stage runs past it, so every log gets saved
@@ -51,6 +53,8 @@ run_stage() {
     train) stage "${TRAIN_CAP:-330}" train python3 benchmarks/bench_train.py --out "$o/train" --budget $(( ${TRAIN_CAP:-330} - 90 )) ${TRAIN_ARGS:-} ;;
     quant) stage "${QUANT_CAP:-200}" quant python3 $BK --out "$o/quant" --only quant ;;
     ncu) stage "${NCU_CAP:-120}" ncu bash benchmarks/ncu_stage.sh "$o/ncu" ;;
+    rollout_scale) stage "${ROLLOUT_SCALE_CAP:-400}" rollout_scale python3 benchmarks/bench_rollout.py --out "$o/rollout_scale" \
+               --budget $(( ${ROLLOUT_SCALE_CAP:-400} - 30 )) ${ROLLOUT_SCALE_ARGS:-} ;;
     rollout) stage "${ROLLOUT_CAP:-250}" rollout python3 benchmarks/bench_model.py --skip-train --out "$o/rollout" --prompts 256 \
                --new-tokens 512 --decode-batch 64 --recipes "$RECIPES" --backends pallas ;;
     *) echo "unknown stage $1 (expected one of: $ALL)"; return 1 ;;

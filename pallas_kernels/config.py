@@ -16,6 +16,10 @@ Fields (each validated here, with a one-line error naming the field):
                attention through ``jax.nn.dot_product_attention``), "tokamax" (tokamax's
                Mosaic GPU flash attention and its VJP), "xla" (the reference: the full score
                tensor), or "auto" (cudnn on a GPU, xla elsewhere).
+    decode_attention  attention of one new token per row over a KV cache (the rollout's decode
+               steps): "pallas" (``pallas_kernels.decode_attention``: reads only each row's
+               live keys), "xla" (the reference: scores over the whole cache, masked), or
+               "auto" (pallas on a GPU, xla elsewhere).
     grouped_tiles  the tiles of the three expert GEMMs, ``GroupedTiles(fwd, dx, dw)``: each a
                tokamax ``Tiles`` or None for tokamax's own heuristic (a 64 x 64 tile on sm90);
                dw may instead be a ``DwTiles``, which runs our Pallas dW kernel. The default
@@ -36,6 +40,7 @@ import jax
 BACKENDS = ("pallas", "xla")
 GROUPED = ("tokamax", "xla")
 ATTENTION = ("cudnn", "tokamax", "xla")
+DECODE_ATTENTION = ("pallas", "xla")
 
 
 def _on_gpu() -> bool:
@@ -98,17 +103,20 @@ class DwTiles:
 @dataclasses.dataclass(frozen=True)
 class GroupedTiles:
     """Tiles of the forward product (x @ W_e), dx (dy @ W_e.T) and dW (x_e.T @ dy_e). The dW
-    entry's type picks its kernel: ``Tiles`` tokamax's, ``DwTiles`` ours (grouped_dw)."""
+    entry's type picks its kernel: ``Tiles`` tokamax's, ``DwTiles`` ours (grouped_dw).
+    ``infer``: the forward product of inference weights (``ExpertsKN``: the rollout's BF16
+    and FP8 experts, a few rows an expert at decode)."""
     fwd: Tiles | None = None
     dx: Tiles | None = None
     dw: Tiles | DwTiles | None = None
+    infer: Tiles | None = None
 
     @classmethod
     def from_dict(cls, d) -> "GroupedTiles":
         if isinstance(d, GroupedTiles):
             return d
-        if not isinstance(d, dict) or set(d) - {"fwd", "dx", "dw"}:
-            raise ValueError(f"kernels.grouped_tiles: expected a mapping with keys among fwd, dx, dw, got {d!r}")
+        if not isinstance(d, dict) or set(d) - {"fwd", "dx", "dw", "infer"}:
+            raise ValueError(f"kernels.grouped_tiles: expected a mapping with keys among fwd, dx, dw, infer, got {d!r}")
         def one(k, v):
             if v is None or isinstance(v, (Tiles, DwTiles)):
                 return v
@@ -134,10 +142,12 @@ class KernelConfig:
     backend: str = "auto"
     grouped: str = "auto"
     attention: str = "auto"
+    decode_attention: str = "auto"
     grouped_tiles: GroupedTiles = DEFAULT_GROUPED_TILES
 
     def __post_init__(self):
-        for name, allowed in (("backend", BACKENDS), ("grouped", GROUPED), ("attention", ATTENTION)):
+        for name, allowed in (("backend", BACKENDS), ("grouped", GROUPED), ("attention", ATTENTION),
+                              ("decode_attention", DECODE_ATTENTION)):
             v = getattr(self, name)
             if v != "auto" and v not in allowed:
                 raise ValueError(f"kernels.{name}={v!r}: expected one of {('auto',) + allowed}")
@@ -152,6 +162,9 @@ class KernelConfig:
 
     def resolved_attention(self) -> str:
         return _pick("attention", self.attention, ATTENTION, "cudnn")
+
+    def resolved_decode_attention(self) -> str:
+        return _pick("decode_attention", self.decode_attention, DECODE_ATTENTION, "pallas")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> "KernelConfig":

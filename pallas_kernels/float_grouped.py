@@ -16,9 +16,16 @@ Implementations, picked by ``impl`` (``KernelConfig.grouped``):
 Both return ``out_dtype`` (default: x's dtype) from FP32 accumulation, and both are
 differentiable. ``tiles`` (a ``GroupedTiles``) sets tokamax's tiles for the forward product,
 dx and dW separately; None fields keep tokamax's heuristic.
+
+Inference (the rollout) stores expert weights once in the layout the GEMM reads, [E, K, N]
+(``ExpertsKN``), and calls ``grouped_dot_kn``: no transpose or cast of a weight per step.
+Its values may be FP8 (E4M3): tokamax's sm90 quantized kernel then reads one byte a weight
+and converts in registers (``FP8_UNIT_SCALE``), the FP8 baseline's expert GEMM.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -100,9 +107,78 @@ def grouped_dot_tokamax(x, w, group_sizes, *, out_dtype=None, tiles: GroupedTile
     return y.astype(out_dtype or x.dtype)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ExpertsKN:
+    """Stacked expert weights stored [E, K, N] for inference (``values``: float, or FP8 E4M3
+    values whose scales the caller applies). ``shape`` is the logical [E, N, K] of the model's
+    weight it was made from (``from_enk``)."""
+    values: jax.Array
+
+    @classmethod
+    def from_enk(cls, w, dtype) -> "ExpertsKN":
+        if w.ndim != 3:
+            raise ValueError(f"w: expected stacked expert weights [E, N, K], got shape {w.shape}")
+        return cls(jnp.swapaxes(jnp.asarray(w).astype(dtype), 1, 2))
+
+    @property
+    def shape(self):
+        e, k, n = self.values.shape
+        return (e, n, k)
+
+    @property
+    def dtype(self):
+        return self.values.dtype
+
+
+# tokamax's quantized kernel dequantizes w * scale in the scale's type; a unit BF16 scale
+# keeps the FP8 values exact, and the real per-channel scales are applied to the FP32 output
+FP8_UNIT_SCALE = jnp.bfloat16
+
+
+def _fp8_qarray(v):
+    import qwix
+    e, _, n = v.shape
+    return qwix.QArray(qvalue=v, scale=jnp.ones((e, 1, n), FP8_UNIT_SCALE), qtype=v.dtype)
+
+
+def grouped_dot_kn(x, w: ExpertsKN, group_sizes, *, impl: str = "auto", out_dtype=None, tiles: Tiles | None = None):
+    """``x_e @ W_e`` per group for weights stored [E, K, N] (``ExpertsKN``), forward only.
+    FP8 values need x in BF16 (FP8 activations are exact in it): the product is then the
+    FP8 GEMM's, FP32 accumulation, unscaled. ``impl`` "tokamax" (``tiles``: None for its
+    heuristic) or "xla" (``lax.ragged_dot``)."""
+    if not isinstance(w, ExpertsKN):
+        raise ValueError(f"w: expected an ExpertsKN ([E, K, N] values), got {type(w).__name__}")
+    v = w.values
+    e, k, n = v.shape
+    if x.ndim != 2 or x.shape[1] != k:
+        raise ValueError(f"x: expected [M, {k}], got shape {x.shape}")
+    if group_sizes.shape != (e,):
+        raise ValueError(f"group_sizes: expected shape ({e},), got {group_sizes.shape}")
+    gs = group_sizes.astype(jnp.int32)
+    fp8 = v.dtype == jnp.float8_e4m3fn
+    out_dtype = out_dtype or (jnp.float32 if fp8 else x.dtype)
+    if KernelConfig(grouped=impl).resolved_grouped() == "xla" or jax.default_backend() != "gpu":
+        y = jax.lax.ragged_dot(x, v.astype(x.dtype), gs, preferred_element_type=jnp.float32)
+        return y.astype(out_dtype)
+    import tokamax
+    from tokamax._src.ops.ragged_dot import pallas_mosaic_gpu as mgpu
+    op = mgpu.PallasMosaicGpuRaggedDot(config=_tokamax_config(tiles, "fwd"))
+    if fp8:
+        y = tokamax.ragged_dot(x.astype(jnp.bfloat16), _fp8_qarray(v), gs, preferred_element_type=jnp.float32,
+                               implementation=[op])
+    else:
+        y = tokamax.ragged_dot(x, v.astype(x.dtype), gs, preferred_element_type=x.dtype, implementation=[op])
+    return y.astype(out_dtype)
+
+
 def grouped_dot(x, w, group_sizes, *, impl: str = "auto", out_dtype=None, tiles: GroupedTiles | None = None):
     """``x_e @ w[e].T`` per group, by ``impl`` ("tokamax", "xla" or "auto"); ``tiles`` for
-    tokamax (default: ``KernelConfig().grouped_tiles``)."""
+    tokamax (default: ``KernelConfig().grouped_tiles``). An ``ExpertsKN`` weight goes to
+    ``grouped_dot_kn`` (forward only) with the tiles' ``infer`` entry."""
+    if isinstance(w, ExpertsKN):
+        t = KernelConfig().grouped_tiles if tiles is None else tiles
+        return grouped_dot_kn(x, w, group_sizes, impl=impl, out_dtype=out_dtype, tiles=t.infer)
     which = KernelConfig(grouped=impl).resolved_grouped()
     if which == "tokamax":
         return grouped_dot_tokamax(x, w, group_sizes, out_dtype=out_dtype,

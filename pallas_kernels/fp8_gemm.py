@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from quads_jax import fp8
+from pallas_kernels.float_grouped import ExpertsKN, grouped_dot_kn
 from pallas_kernels.grouped_gemm import check_group_sizes, expert_of_rows
 
 
@@ -34,16 +35,22 @@ def fp8_matmul(x, w: fp8.FP8Tensor, *, backend=None, out_dtype=jnp.bfloat16):
     return (acc * xq.scale * w.scale[:, 0][None, :]).astype(out_dtype)
 
 
-def fp8_grouped_matmul(x, w: fp8.FP8Tensor, group_sizes, *, backend=None, out_dtype=jnp.bfloat16):
+def fp8_grouped_matmul(x, w: fp8.FP8Tensor, group_sizes, *, backend=None, out_dtype=jnp.bfloat16, grouped: str = "auto",
+                       tiles=None):
     """Grouped W8A8 for sorted MoE rows; w [E, N, K] with scales [E, N, 1], or stored [E, K, N]
-    (``fp8.to_kn``, what the rollout engine loads): then no transpose of the weight per call."""
+    (``fp8.to_kn``, what the rollout engine loads): then no transpose of the weight per call.
+    The unscaled E4M3 product runs through ``grouped_dot_kn`` (``grouped``: tokamax's kernel
+    reading one byte a weight on a GPU, or ``lax.ragged_dot``; ``tiles`` for tokamax), FP32
+    accumulation; both scales are applied to its output."""
     del backend
     _check(x, w, 3)
     m = x.shape[0]
     group_sizes = check_group_sizes(group_sizes, m, w.shape[0])
     xq = fp8.quantize(x, axis=-1)
     wv = w.values if w.kn else jnp.swapaxes(w.values, 1, 2)  # [E, K, N]
-    acc = jax.lax.ragged_dot(xq.values, wv, group_sizes, preferred_element_type=jnp.float32)
+    # E4M3 activation values are exact in BF16, the operand tokamax's FP8-weight kernel takes
+    acc = grouped_dot_kn(xq.values.astype(jnp.bfloat16), ExpertsKN(wv), group_sizes, impl=grouped, tiles=tiles,
+                         out_dtype=jnp.float32)
     ex = expert_of_rows(group_sizes, m)
     scale = w.scale[:, 0, :] if w.kn else w.scale[..., 0]  # [E, N]
     ws = jnp.concatenate([scale, jnp.zeros((1, scale.shape[1]), jnp.float32)])[ex]  # [M, N]

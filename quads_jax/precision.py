@@ -161,17 +161,20 @@ def fake_quant_weight(w):
     return nvfp4.fake_quant(w, **weight_quant_kwargs(w.ndim))
 
 
-def prepare_weight(w, mode: str):
-    """Convert a float weight once for the rollout mode (``w4a4``/``w4a16`` -> NVFP4Tensor,
-    ``fp8`` -> FP8Tensor per output channel, else unchanged). NVFP4 codes are stored as
-    uint32 code words of 8 (``nvfp4.code_words``: the same bytes), which every GEMM reads."""
+def prepare_weight(w, mode: str, dtype=None):
+    """Convert a float weight once for the rollout mode, into what its GEMM reads, so that a
+    step does no work on weights: ``w4a4``/``w4a16`` -> NVFP4Tensor (codes as uint32 words of
+    8, ``nvfp4.code_words``: the same bytes), ``fp8`` -> FP8Tensor per output channel (stacked
+    experts stored [E, K, N]); float modes -> cast to ``dtype`` (the type the product reads
+    it in; None keeps it), stacked experts as ``pk.ExpertsKN`` [E, K, N]."""
     if mode in ("w4a4", "w4a16"):
         t = quantize_weight(jnp.asarray(w, jnp.float32))
         return dataclasses.replace(t, codes=nvfp4.code_words(t.codes))
     if mode == "fp8":
         t = fp8.quantize(jnp.asarray(w, jnp.float32), axis=-1)
-        return fp8.to_kn(t) if t.values.ndim == 3 else t  # experts: ragged_dot's layout, no transpose a call
-    return w
+        return fp8.to_kn(t) if t.values.ndim == 3 else t  # experts: the grouped GEMM's layout
+    w = w if dtype is None else jnp.asarray(w).astype(dtype)
+    return pk.ExpertsKN.from_enk(w, w.dtype) if w.ndim == 3 else w
 
 
 def _act_fq(x):
@@ -260,8 +263,9 @@ def grouped_linear(x, w, group_sizes, mode: str, *, dtype=jnp.bfloat16, rac_rati
                    grouped: str = "auto", tiles=None):
     """Per-expert ``x_e @ W_e.T`` for rows of x [M, K] (or QuantizedRows) sorted by expert and
     W [E, N, K]; ``w`` may be a list of expert weights that read the same rows (gate/up): the
-    list of outputs, from one kernel launch when they are NVFP4. Float weights go through
-    ``pk.grouped_dot`` (``grouped``: "tokamax", "xla" or "auto"; ``tiles``: its
+    list of outputs, from one kernel launch when they are NVFP4. Rollout float weights
+    (``pk.ExpertsKN``) and FP8 weights run the forward GEMM in their stored [E, K, N] layout
+    (with ``tiles.infer``). Float weights go through ``pk.grouped_dot`` (``grouped``: "tokamax", "xla" or "auto"; ``tiles``: its
     ``pk.GroupedTiles``), in their stored layout."""
     ws, many = _weights(w)
     launches = _nvfp4_launches(ws)
@@ -271,9 +275,14 @@ def grouped_linear(x, w, group_sizes, mode: str, *, dtype=jnp.bfloat16, rac_rati
                                           out_dtype=dtype)
                   for g in launches), ())
     elif all(isinstance(wi, fp8.FP8Tensor) for wi in ws):
-        ys = tuple(pk.fp8_grouped_matmul(x.astype(jnp.bfloat16), wi, group_sizes, backend=backend, out_dtype=dtype) for wi in ws)
-    elif any(isinstance(wi, (nvfp4.NVFP4Tensor, fp8.FP8Tensor)) for wi in ws):
-        raise ValueError("w: quantized expert weights mixed with other weights in one grouped call")
+        t = (tiles or pk.KernelConfig().grouped_tiles).infer
+        ys = tuple(pk.fp8_grouped_matmul(x.astype(jnp.bfloat16), wi, group_sizes, backend=backend, out_dtype=dtype,
+                                         grouped=grouped, tiles=t) for wi in ws)
+    elif all(isinstance(wi, pk.ExpertsKN) for wi in ws):  # rollout weights: one forward GEMM each, no concatenation
+        ys = tuple(pk.grouped_dot(x.astype(wi.dtype), wi, group_sizes, impl=grouped, out_dtype=dtype, tiles=tiles)
+                   for wi in ws)
+    elif any(isinstance(wi, (nvfp4.NVFP4Tensor, fp8.FP8Tensor, pk.ExpertsKN)) for wi in ws):
+        raise ValueError("w: quantized or inference expert weights mixed with other weights in one grouped call")
     else:
         ys = _grouped_float(x, ws, group_sizes, mode, dtype=dtype, grouped=grouped, tiles=tiles)
     return list(ys) if many else ys[0]

@@ -141,6 +141,51 @@ def test_fp8_matmul_close_to_float(rng):
         fp8.to_kn(wkn)
 
 
+def test_grouped_dot_of_stored_kn_weights_equals_the_reference(rng):
+    """The rollout's expert layout [E, K, N] (ExpertsKN) gives the [E, N, K] reference's
+    numbers, BF16 and FP8 values alike; FP8 E4M3 activations are exact in BF16."""
+    x = jnp.asarray(rng.standard_normal((9, 64)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((3, 32, 64)) / 8, jnp.bfloat16)
+    gs = jnp.array([4, 0, 5])
+    ref = pk.grouped_dot_xla(x, w, gs, out_dtype=jnp.float32)
+    kn = pk.ExpertsKN.from_enk(w, jnp.bfloat16)
+    assert kn.shape == (3, 32, 64) and kn.values.shape == (3, 64, 32)
+    np.testing.assert_array_equal(np.asarray(pk.grouped_dot(x, kn, gs, out_dtype=jnp.float32)), np.asarray(ref))
+    x8, w8 = x.astype(jnp.float8_e4m3fn), w.astype(jnp.float8_e4m3fn)
+    y8 = pk.grouped_dot_kn(x8.astype(jnp.bfloat16), pk.ExpertsKN(jnp.swapaxes(w8, 1, 2)), gs)
+    assert y8.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(y8), np.asarray(pk.grouped_dot_xla(x8.astype(jnp.float32), w8.astype(jnp.float32), gs)),
+                               rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="x: expected"):
+        pk.grouped_dot_kn(x[:, :32], kn, gs)
+
+
+@pytest.mark.parametrize("h,hkv,d,s,splits,block_k", [(8, 2, 64, 40, 1, 16), (8, 2, 64, 40, 3, 16), (4, 4, 32, 70, None, 32),
+                                                     (16, 2, 64, 200, 2, 64)])
+def test_decode_attention_pallas_equals_xla(rng, h, hkv, d, s, splits, block_k):
+    """The live-key decode kernel (interpreted) against the reference over the whole cache:
+    rows of every length, 0 (zeros out) and the full cache included; the output rounds once to
+    BF16, so the tolerance is one BF16 ulp of the outputs."""
+    b = 5
+    q = jnp.asarray(rng.standard_normal((b, h, d)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((b, s, hkv, d)), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((b, s, hkv, d)), jnp.bfloat16)
+    lengths = jnp.asarray([0, 1, s, *rng.integers(2, s, 2)], jnp.int32)
+    ref = pk.decode_attention(q, k, v, lengths, impl="xla")
+    out = pk.decode_attention(q, k, v, lengths, config=pk.DecodeAttentionConfig(block_k=block_k, splits=splits))
+    assert out.shape == (b, h, d) and out.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(out[0]), 0)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=2 ** -7, rtol=2 ** -7)
+    # keys past a row's length do not matter
+    k2 = jnp.where(jnp.arange(s)[None, :, None, None] < lengths[:, None, None, None], k, 1e4)
+    out2 = pk.decode_attention(q, k2, v, lengths, config=pk.DecodeAttentionConfig(block_k=block_k, splits=splits))
+    np.testing.assert_array_equal(np.asarray(out2), np.asarray(out))
+    with pytest.raises(ValueError, match="lengths"):
+        pk.decode_attention(q, k, v, lengths[:2])
+    with pytest.raises(ValueError, match="block_k"):
+        pk.DecodeAttentionConfig(block_k=24)
+
+
 def test_bad_inputs_name_the_argument(rng):
     w = nvfp4.quantize(jnp.ones((32, 64)))
     with pytest.raises(ValueError, match="x"):

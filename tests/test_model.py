@@ -72,6 +72,28 @@ def test_kv_cache_decode_equals_full_forward(model):
     np.testing.assert_allclose(logits[1, 0], full[1, 4], atol=2e-5)
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_decode_steps_through_the_live_key_kernel_equal_the_reference(model, splits):
+    """A decode step with kernels.decode_attention="pallas" (interpreted here) gives the logits
+    and cache of the XLA reference, rows of different lengths and an inactive row included."""
+    import dataclasses
+
+    import pallas_kernels as pk
+
+    t = toks(4, b=3)
+    mask = jnp.array([[1] * 7, [1] * 3 + [0] * 4, [0] * 7])
+    out = {}
+    for impl in ("xla", "pallas"):
+        prec = dataclasses.replace(P.Precision(), kernels=pk.KernelConfig(decode_attention=impl))
+        step = nnx.jit(lambda m, x, c, mask: m.forward(x, cache=c, mask=mask, precision=prec)[::2])
+        cache = model.init_cache(3, 40)
+        _, cache = step(model, t[:, :7], cache, mask)
+        out[impl] = step(model, t[:, 7:8], cache, jnp.array([[1], [1], [0]]))
+    np.testing.assert_allclose(out["pallas"][0][:2], out["xla"][0][:2], atol=2e-5)
+    for a, b in zip(jax.tree.leaves(out["pallas"][1]), jax.tree.leaves(out["xla"][1])):  # later layers' keys: FP32 rounding
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
+
+
 def test_router_topk_and_renormalisation():
     logits = jax.random.normal(jax.random.key(0), (10, 8))
     probs, ids, w = M.route(logits, 3, True)
@@ -147,6 +169,31 @@ def test_rollout_weights_bit_identical_to_trainer_fake_quant(model):
     np.testing.assert_array_equal(np.asarray(nvfp4.dequantize(wa)),
                                   np.asarray(P.fake_quant_weight(model.layers[0].attn.q.w.get_value())))
     assert not isinstance(r.layers[0].moe.router.w.get_value(), nvfp4.NVFP4Tensor)  # router stays BF16
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "fp8"])
+def test_float_rollout_weights_are_stored_as_their_gemm_reads_them(recipe):
+    """BF16 / FP8 rollout weights are converted once: experts stored [E, K, N], float weights
+    in the compute dtype (the router keeps FP32), and the BF16 rollout's logits equal the
+    unprepared model's under the same policy bit for bit."""
+    import dataclasses
+
+    import pallas_kernels as pk
+    from quads_jax import fp8
+
+    cfg = dataclasses.replace(CFG, compute_dtype="bfloat16")
+    m = Transformer(cfg, rngs=nnx.Rngs(1))
+    r = prepare_for_rollout(m, P.rollout_recipe(recipe))
+    wg = r.layers[0].moe.w_gate.get_value()
+    if recipe == "bf16":
+        assert isinstance(wg, pk.ExpertsKN) and wg.values.shape == (8, 64, 32) and wg.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(wg.values), np.asarray(jnp.swapaxes(m.layers[0].moe.w_gate.get_value(), 1, 2).astype(jnp.bfloat16)))
+        assert r.layers[0].attn.q.w.get_value().dtype == jnp.bfloat16
+        t = toks(5)
+        np.testing.assert_array_equal(np.asarray(fwd(r, t)), np.asarray(fwd(m, t, precision=P.rollout_recipe("bf16"))))
+    else:
+        assert isinstance(wg, fp8.FP8Tensor) and wg.kn
+    assert r.layers[0].moe.router.w.get_value().dtype == jnp.float32
 
 
 def test_token_logprobs_matches_manual(model):

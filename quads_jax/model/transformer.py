@@ -196,15 +196,18 @@ def _linear_modules(model: nnx.Module):
 
 def prepare_for_rollout(model: Transformer, recipe: P.Precision) -> Transformer:
     """A copy of ``model`` whose weights are converted once for ``recipe`` (NVFP4 / FP8
-    tensors for the quantized kinds) and whose default precision is ``recipe``."""
+    tensors for the quantized kinds; the others cast to the compute dtype their products read,
+    expert weights in their GEMM's [E, K, N] layout) and whose default precision is ``recipe``.
+    The router keeps its weight's type: it computes in FP32, as in training."""
     m = nnx.clone(model)
+    dt = model.cfg.dtype
     for _, lin in _linear_modules(m):
-        lin.w.set_value(P.prepare_weight(value(lin.w), recipe.mode(lin.kind)))
+        lin.w.set_value(P.prepare_weight(value(lin.w), recipe.mode(lin.kind), None if lin.kind == "router" else dt))
     for _, node in nnx.iter_graph(m):
         if isinstance(node, MoE):
             mode = recipe.mode("experts")
             for name in ("w_gate", "w_up", "w_down"):
                 p = getattr(node, name)
-                p.set_value(P.prepare_weight(value(p), mode))
+                p.set_value(P.prepare_weight(value(p), mode, dt))
     m.precision = recipe
     return m
