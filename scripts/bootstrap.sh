@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Creates (once) the Python 3.12 virtual environment this project runs in and prints its path.
-# The environment is keyed by a hash of pyproject.toml, so a dependency change makes a new one.
+# The environment is keyed by a hash of pyproject.toml and scripts/sglang-*.txt, so a dependency
+# change makes a new one.
 # Override the location with QUADS_VENV=/path.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -17,7 +18,7 @@ find_python() {
   return 1
 }
 
-hash=$(sha256sum "$root/pyproject.toml" | cut -c1-12)
+hash=$(cat "$root/pyproject.toml" "$root"/scripts/sglang-*.txt | sha256sum | cut -c1-12)
 venv="${QUADS_VENV:-$HOME/.cache/quads-jax/venv-py312-$hash}"
 if [ ! -f "$venv/.quads-ready" ]; then
   py=$(find_python)
@@ -39,6 +40,10 @@ PY
 )
   mapfile -t deparr <<<"$deps"
   "$venv/bin/python" -m pip install -q "${deparr[@]}" >&2
+  # The real SGLang for the plugin's tests, without its CUDA-only requirements (see the file)
+  sgl=$("$venv/bin/python" -c 'import sys, tomllib; print(tomllib.load(open(sys.argv[1], "rb"))["project"]["optional-dependencies"]["sglang"][0])' "$root/pyproject.toml")
+  "$venv/bin/python" -m pip install -q --no-deps "$sgl" >&2
+  "$venv/bin/python" -m pip install -q -r "$root/scripts/sglang-cpu.txt" -c "$root/scripts/sglang-constraints.txt" >&2
   touch "$venv/.quads-ready"
 fi
 echo "$venv"

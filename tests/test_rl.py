@@ -236,6 +236,7 @@ def test_grpo_run_raises_reward(tmp_path):
     assert (tmp_path / "run" / "metrics.csv").read_text().splitlines()[0].startswith("step,reward_mean,pass_at_1,pass_at_1_bf16,gap_max")
 
 
+@pytest.mark.slow  # a minute or more on 2 cores (CI): ./test.sh -m slow
 def test_grpo_through_the_rollout_server_equals_in_process(tmp_path):
     """rl.rollout_url: each step syncs weights through an orbax step and /update_weights_from_disk
     and generates over HTTP; the run is the same as with the engine in-process."""
@@ -422,6 +423,7 @@ def test_grpo_variants_aggregate_clip_and_normalise_as_documented():
         G.GRPOConfig(loss_agg="sum")
 
 
+@pytest.mark.slow  # a minute or more on 2 cores (CI): ./test.sh -m slow
 def test_micro_batches_give_the_same_update(tmp_path):
     """Gradient accumulation over micro-batches is the same update."""
     from quads_jax.rl import loop

@@ -21,6 +21,7 @@ def length_reward(completion: str, answer: str) -> float:
     return min(len(completion), 40) / 40.0
 
 
+@pytest.mark.slow  # a minute or more on 2 cores (CI): ./test.sh -m slow
 def test_hf_checkpoint_tokenizer_and_jsonl_through_grpo_to_an_export(tmp_path):
     from quads_jax.rl import loop
     from quads_jax.train.checkpoint import Checkpointer

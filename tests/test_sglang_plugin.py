@@ -1,5 +1,6 @@
 """The SGLang method's torch numerics equal the JAX reference on the same weights (CPU)."""
 
+import json
 import os
 
 import jax
@@ -121,10 +122,46 @@ def test_register_without_sglang_says_why():
         sglang_plugin.register()
 
 
-@pytest.mark.skipif(not sglang_plugin.sglang_available(), reason="sglang is not installed here (it cannot be on these machines)")
-def test_register_with_sglang():
-    cls = sglang_plugin.register()
-    assert cls.get_name() == "quads_nvfp4"
+@pytest.mark.skipif(not sglang_plugin.sglang_available(), reason="sglang is not installed (./test.sh installs it: scripts/bootstrap.sh)")
+def test_plugin_inside_the_real_sglang(tmp_path):
+    """The method in sglang 0.5.23 itself (its parser, model config, linears, FusedMoE, weight
+    loaders and MoE dispatch types), in its own process: --quantization quads_nvfp4 parses, our
+    export resolves to it ahead of modelopt_fp4, every layer gets its method, SGLang's loaders
+    take every exported tensor (fused q/k/v and gate/up global scales included), and apply()
+    equals the JAX reference."""
+    import subprocess
+    import sys
+
+    from flax import nnx
+    from quads_jax.model import ModelConfig, Transformer
+    from quads_jax.train.state import split_params
+    from rollout import bridge
+
+    cfg = ModelConfig(vocab_size=64, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, n_experts=4,
+                      experts_per_token=2, expert_ffn=32, dense_ffn=96, mlp_only_layers=(1,), max_seq_len=32,
+                      compute_dtype="float32")
+    params = split_params(Transformer(cfg, rngs=nnx.Rngs(3)))[1]
+    out = bridge.export_modelopt_nvfp4(cfg, params, str(tmp_path / "nvfp4"))
+    np.savez(os.path.join(out, "params.npz"), **{k: np.asarray(v) for k, v in params.items()})
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.getcwd())
+    port = str(29500 + os.getpid() % 400)
+    r = subprocess.run([sys.executable, "tests/sglang_real_check.py", out, port], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0 and "RESULT" in r.stdout, (r.stdout[-2000:], r.stderr[-4000:])
+    res = json.loads(r.stdout.split("RESULT", 1)[1])
+    assert res["entry_point_registered"]  # SGLang's load_plugins() found the installed entry point
+    assert res["first_in_method_table"] and res["parsed"] == "quads_nvfp4" and res["bad_choice"] == "rejected"
+    assert res["resolved_default"] == res["resolved_modelopt"] == "quads_nvfp4"
+    assert res["resolved_explicit_modelopt_fp4"] == "modelopt_fp4"  # a user's explicit choice stands
+    assert res["methods"] == {"qkv": "QuadsLinearMethod", "o": "QuadsLinearMethod", "gate_up": "QuadsLinearMethod",
+                              "down": "QuadsLinearMethod", "router": "UnquantizedLinearMethod", "experts": "QuadsMoEMethod"}
+    # 3 tensors for each of q, k, v, o, gate, up, down, 1 for the router, 3 x 3 per expert
+    assert res["tensors_loaded"] == 7 * 3 + 1 + cfg.n_experts * 9
+    for key in ("qkv", "o", "gate_up"):  # the reference rounded once to BF16; ties of the FP32 sums may round apart
+        assert res["rel_" + key] < 2**-8 and res["bf16_equal_" + key] > 0.98, (key, res)
+    assert res["rel_router"] < 1e-2  # BF16 weights and activations
+    assert res["combine_type"] == "StandardCombineInput"
+    assert res["rel_moe"] < 2e-2 and res["moe_equal_fraction"] > 0.9  # BF16 intermediates
 
 
 TRITON_CHECK = r"""
