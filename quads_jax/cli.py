@@ -169,7 +169,7 @@ def cmd_serve(a):
 
     serve(a.config, host=a.host, port=a.port, checkpoint=a.checkpoint and checkpoint_dir(a.checkpoint), recipe=a.recipe,
           max_batch=a.max_batch,
-          max_len=a.max_len, overrides=_overrides(a.set), weights_dirs=a.weights_dir)
+          max_len=a.max_len, overrides=_overrides(a.set), weights_dirs=a.weights_dir, api_key=a.api_key)
 
 
 def cmd_export(a):
@@ -238,6 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights-dir", action="append", default=[],
                    help="a directory that /update_weights_from_disk may load from (repeatable; the checkpoint's own "
                         "directory is always allowed; none: updates are refused)")
+    p.add_argument("--api-key", default=None, help="as SGLang's --api-key: every endpoint but /health* then needs "
+                                                   "'Authorization: Bearer KEY' (401 otherwise)")
     p.add_argument("--set", nargs="+", action="extend", default=[], help="config overrides KEY=VALUE, repeatable")
     p.set_defaults(fn=cmd_serve)
     p = sub.add_parser("export", help="export a checkpoint as HF safetensors (BF16, or NVFP4 ModelOpt layout)")

@@ -26,15 +26,18 @@ class RolloutError(RuntimeError):
 
 
 class RolloutClient:
-    def __init__(self, base_url: str, *, timeout: float = 600.0, retries: int = 2):
+    def __init__(self, base_url: str, *, timeout: float = 600.0, retries: int = 2, api_key: str | None = None):
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         self.retries = retries
+        self.api_key = api_key  # sent as SGLang's "Authorization: Bearer" header
 
     def _call(self, method: str, path: str, body: Any = None):
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.base_url + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        req = urllib.request.Request(self.base_url + path, data=data, method=method, headers=headers)
         for attempt in range(self.retries + 1):
             try:
                 with urllib.request.urlopen(req, timeout=self.timeout) as r:

@@ -65,7 +65,8 @@ class Result:
     finish_reason: str  # "stop" | "length" | "abort"
     prompt_tokens: int
     weight_version: object
-    experts: list | None = None  # per generated token: [moe_layers][k] expert ids
+    experts: list | None = None  # per generated token: [moe_layers][k] expert ids of the position that sampled it
+    prompt_experts: list | None = None  # per prompt position but the last: [moe_layers][k] (the rest of SGLang's routed_experts)
 
 
 def sample(logits, temperature, top_p, top_k, keys):
@@ -125,6 +126,7 @@ class Engine:
         self.version = None
         self._model = None
         self._lock = threading.Lock()  # weight swaps wait for a running generate() to finish
+        self._host_state = None  # the weights while released to host memory (release_memory)
         abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
         self._graphdef, _, _ = split_params(abstract)
         recipe_ = self.recipe
@@ -144,7 +146,40 @@ class Engine:
         state = self._prepare(params)
         with self._lock:
             self._state = state
+            self._host_state = None
             self.version = version
+
+    MEMORY_TAGS = ("weights", "kv_cache")
+
+    def release_memory(self, tags=None):
+        """Free device memory between rollouts (SGLang's release_memory_occupation): "weights"
+        moves the prepared weights to host memory; "kv_cache" frees nothing, because the cache
+        lives only inside a ``generate`` call. Waits for a running ``generate``."""
+        tags = self._tags(tags)
+        with self._lock:
+            if "weights" in tags and hasattr(self, "_state") and self._host_state is None:
+                self._host_state = jax.device_get(self._state)
+                jax.tree.map(lambda a: a.delete() if isinstance(a, jax.Array) else None, self._state)
+                del self._state
+
+    def resume_memory(self, tags=None):
+        """Undo ``release_memory``: the weights back on the device, as they were."""
+        tags = self._tags(tags)
+        with self._lock:
+            if "weights" in tags and self._host_state is not None:
+                self._state = jax.device_put(self._host_state)
+                self._host_state = None
+
+    @property
+    def released(self) -> bool:
+        return self._host_state is not None
+
+    def _tags(self, tags):
+        tags = self.MEMORY_TAGS if tags is None else tuple(tags)
+        bad = [t for t in tags if t not in self.MEMORY_TAGS]
+        if bad:
+            raise ValueError(f"tags={bad}: expected some of {list(self.MEMORY_TAGS)}")
+        return tags
 
     @property
     def loaded(self) -> bool:
@@ -162,8 +197,15 @@ class Engine:
         return tok, lp, cache, experts
 
     def _step_impl(self, state, tokens, mask, cache, last_idx, temperature, top_p, top_k, seeds, pos):
-        return self._sample_at(nnx.merge(self._rgraph, state), tokens, mask, cache, last_idx, temperature, top_p,
-                               top_k, seeds, pos)
+        """A prefill: ``_sample_at`` plus the experts of every position [B, T, L, k] (or None),
+        fetched to the host only for requests that asked for their routing."""
+        model = nnx.merge(self._rgraph, state)
+        logits, aux, cache = model.forward(tokens, mask=mask, cache=cache)
+        last = jnp.take_along_axis(logits, last_idx[:, None, None], axis=1)[:, 0]
+        tok, lp = sample(last, temperature, top_p, top_k, row_keys(seeds, pos))
+        every = None if aux["experts"] is None else aux["experts"].transpose(1, 2, 0, 3)  # [B, T, L, k]
+        at_last = None if every is None else jnp.take_along_axis(every, last_idx[:, None, None, None], axis=1)[:, 0]
+        return tok, lp, cache, at_last, every
 
     def _burst_impl(self, state, tok, alive, cache, temperature, top_p, top_k, seeds, pos, remaining, stops, n_steps):
         """Up to ``n_steps`` (<= decode_burst) decode steps in one device loop. Row b feeds its
@@ -242,6 +284,8 @@ class Engine:
         return ids
 
     def generate(self, requests: Sequence[Request]) -> list[Result]:
+        if self.released:
+            raise RuntimeError("Engine.generate: the weights are released to host memory (call resume_memory() first)")
         if not hasattr(self, "_state"):
             raise RuntimeError("Engine.generate: no weights loaded (call load(params) first)")
         requests = list(requests)
@@ -260,6 +304,7 @@ class Engine:
         out_ids = [[] for _ in requests]
         out_lp = [[] for _ in requests]
         out_ex = [[] for _ in requests]
+        prompt_ex = [None] * len(requests)
         finish = [None] * len(requests)
         last_tok = np.zeros(b, np.int32)
         temp = np.ones(b, np.float32)
@@ -317,7 +362,12 @@ class Engine:
                         mask[s, : len(r.prompt)] = True
                     cache["lengths"] = jnp.asarray(lengths)
                     last = np.maximum(mask.sum(1) - 1, 0).astype(np.int32)
-                    tok, lp, cache, ex = self._step(state, toks, mask, cache, last, temp, topp, topk, seeds, positions())
+                    tok, lp, cache, ex, every = self._step(state, toks, mask, cache, last, temp, topp, topk, seeds, positions())
+                    wants = [s for s in rows if requests[slot_req[s]].return_experts]
+                    if wants and every is not None:
+                        every_h = np.asarray(every)
+                        for s in wants:
+                            prompt_ex[slot_req[s]] = every_h[s, : len(requests[slot_req[s]].prompt) - 1].tolist()
                     record(rows, np.asarray(tok)[None], np.asarray(lp)[None], np.ones((1, b), bool),
                            None if ex is None else np.asarray(ex)[None])
                 continue
@@ -338,4 +388,5 @@ class Engine:
             record(active, out["tok"][:n], out["lp"][:n], out["emitted"][:n], out.get("experts"))
         return [Result(output_ids=out_ids[i], logprobs=out_lp[i], finish_reason=finish[i],
                        prompt_tokens=len(requests[i].prompt), weight_version=version,
-                       experts=out_ex[i] if requests[i].return_experts else None) for i in range(len(requests))]
+                       experts=out_ex[i] if requests[i].return_experts else None,
+                       prompt_experts=prompt_ex[i] if requests[i].return_experts else None) for i in range(len(requests))]

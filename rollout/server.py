@@ -6,6 +6,11 @@ Endpoints (request and response fields as in SGLang, so its clients work unchang
   POST /generate                  text | input_ids (one or a batch), sampling_params, return_logprob
   POST /update_weights_from_disk  {model_path, weight_version?}: through ``rollout.bridge``
   GET|POST /flush_cache, GET /health, GET /health_generate, GET /get_model_info, GET /get_server_info
+  POST /abort_request, /pause_generation, /continue_generation, /release_memory_occupation,
+       /resume_memory_occupation
+
+With ``api_key`` (``quads serve --api-key``), every endpoint but /health* needs SGLang's
+``Authorization: Bearer <key>`` header, else 401 (SGLang's rule and reply).
 
 Concurrency: each HTTP request runs on its own thread and queues its sequences; one
 scheduler thread takes everything queued within ``batch_window_s`` and runs it as one
@@ -44,17 +49,16 @@ from rollout.engine import Engine, Request, Result
 # with a 400 naming them when set to anything but their SGLang default (a value that changes
 # nothing); any other top-level field is ignored, as SGLang ignores fields it does not know.
 GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "return_logprob", "rid", "stream", "logprob_start_len",
-                   "return_text_in_logprobs", "return_experts", "log_metrics", "session_id"}
+                   "return_text_in_logprobs", "return_experts", "return_routed_experts", "log_metrics", "session_id"}
 GENERATE_UNSUPPORTED = {  # field -> its values that change nothing
     "input_embeds": (None,), "image_data": (None, []), "video_data": (None, []), "audio_data": (None, []),
     "lora_path": (None,), "lora_id": (None,), "custom_logit_processor": (None,), "return_hidden_states": (None, False),
     "session_params": (None,), "token_ids_logprob": (None,), "top_logprobs_num": (None, 0),
-    "return_routed_experts": (None, False), "return_indexer_topk": (None, False), "return_sampling_mask": (None, False),
+    "return_indexer_topk": (None, False), "return_sampling_mask": (None, False),
     "bootstrap_host": (None,), "bootstrap_room": (None,),
 }
 GENERATE_WHY = {
     "top_logprobs_num": "top log-probs are not computed by this engine",
-    "return_routed_experts": "this engine records routing for generated tokens only (ask for return_experts)",
     "input_embeds": "the engine takes token ids", "custom_logit_processor": "no custom logit processors",
 }
 # SGLang's SamplingParams (0.5.23), every field: honoured, or refused (400 naming it) unless at a
@@ -210,8 +214,11 @@ class RolloutServer:
     """The engine behind a scheduler thread; ``handle(method, path, body)`` is the whole API."""
 
     def __init__(self, engine: Engine, tokenizer, *, model_path: str | None = None, batch_window_s: float = 0.005,
-                 server_args: dict | None = None, weights_dirs: list[str] | tuple[str, ...] = ()):
+                 server_args: dict | None = None, weights_dirs: list[str] | tuple[str, ...] = (), api_key: str | None = None):
         self.engine = engine
+        if api_key is not None and (not isinstance(api_key, str) or not api_key):
+            raise ValueError("api_key: expected a non-empty string or None")
+        self.api_key = api_key
         # roots that /update_weights_from_disk may load from (resolved once); none: updates refused
         self.weights_dirs = tuple(os.path.realpath(d) for d in weights_dirs)
         self.tokenizer = tokenizer
@@ -294,8 +301,20 @@ class RolloutServer:
         self._thread.join(timeout=2)
 
     # -- API
-    def handle(self, method: str, path: str, body: bytes) -> tuple[int, Any]:
+    def authorized(self, path: str, authorization: str | None) -> bool:
+        """SGLang's --api-key rule: with a key set, every endpoint but the health / readiness /
+        metrics probes needs ``Authorization: Bearer <key>`` (compared in constant time)."""
+        import hmac
+
+        if self.api_key is None or path.startswith(("/health", "/ready", "/metrics")):
+            return True
+        scheme, _, token = (authorization or "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.encode(), self.api_key.encode())
+
+    def handle(self, method: str, path: str, body: bytes, authorization: str | None = None) -> tuple[int, Any]:
         path = path.split("?", 1)[0].rstrip("/") or "/"
+        if not self.authorized(path, authorization):
+            return 401, {"error": "Unauthorized"}
         routes = {
             ("POST", "/generate"): self.generate,
             ("POST", "/update_weights_from_disk"): self.update_weights_from_disk,
@@ -306,6 +325,8 @@ class RolloutServer:
             ("GET", "/get_server_info"): self.server_info, ("GET", "/server_info"): self.server_info,
             ("POST", "/abort_request"): self.abort_request,
             ("POST", "/pause_generation"): self.pause_generation, ("POST", "/continue_generation"): self.continue_generation,
+            ("POST", "/release_memory_occupation"): self.release_memory_occupation,
+            ("POST", "/resume_memory_occupation"): self.resume_memory_occupation,
         }
         fn = routes.get((method, path))
         if fn is None:
@@ -332,6 +353,7 @@ class RolloutServer:
             return 500, {"error": {"message": f"{type(e).__name__}: {e}", "code": 500}}
 
     def generate(self, body: dict):
+        _expect(not self.engine.released, "the weights are released (POST /resume_memory_occupation first)")
         for k, neutral in GENERATE_UNSUPPORTED.items():
             if k in body and not any(body[k] == v and type(body[k]) is type(v) for v in neutral):
                 _expect(False, f"{k}: not supported by this server ({GENERATE_WHY.get(k, 'the engine cannot do it')})")
@@ -364,7 +386,7 @@ class RolloutServer:
         for i, (p, sp) in enumerate(zip(prompts, parsed)):
             kw = {k: v for k, v in sp.items() if k not in LOCAL_KEYS}
             kw.setdefault("seed", (base_seed * 7919 + i) % (2**31))
-            reqs.append(Request(prompt=p, return_experts=bool(body.get("return_experts")), **kw))
+            reqs.append(Request(prompt=p, return_experts=bool(body.get("return_experts") or body.get("return_routed_experts")), **kw))
         rid = body.get("rid")
         if isinstance(rid, list):
             _expect(len(rid) == len(prompts) and all(isinstance(x, str) for x in rid),
@@ -390,7 +412,9 @@ class RolloutServer:
                                                  for lp, t in zip(lps, ids)]
                 # SGLang's default logprob_start_len (-1) starts at the last prompt token, which has no log-prob
                 meta["input_token_logprobs"] = [[None, prompts[i][-1], None]]
-            if r.experts is not None:
+            if r.experts is not None and body.get("return_routed_experts"):
+                meta["routed_experts"] = routed_experts_b64(r.prompt_experts, r.experts[: len(ids)])
+            elif r.experts is not None:  # this server's own form: per generated token, [moe_layers][k]
                 meta["routed_experts"] = r.experts[: len(ids)]
             outs.append({"text": text, "output_ids": ids, "meta_info": meta})
         return outs[0] if single else outs
@@ -428,9 +452,32 @@ class RolloutServer:
                 self._aborted_rids.add(rid)
         return _Reply(200, "")
 
-    def pause_generation(self, _body=None):
-        """Queued requests wait until /continue_generation; a batch on the device finishes."""
+    def release_memory_occupation(self, body: dict):
+        """SGLang's {tags?}: "weights" to host memory ("kv_cache": nothing is held between
+        batches); /generate answers 400 until /resume_memory_occupation. Other fields ignored."""
+        self.engine.release_memory(self._memory_tags(body))
+        return _Reply(200, None)
+
+    def resume_memory_occupation(self, body: dict):
+        self.engine.resume_memory(self._memory_tags(body))
+        return _Reply(200, None)
+
+    @staticmethod
+    def _memory_tags(body):
+        tags = body.get("tags")
+        _expect(tags is None or (isinstance(tags, list) and all(isinstance(t, str) for t in tags)),
+                f"tags={tags!r}: expected null or a list of strings")
+        return tags
+
+    def pause_generation(self, body=None):
+        """Queued requests wait until /continue_generation; a batch on the device finishes.
+        SGLang's ``mode``: "abort" also ends every queued request (finish_reason "abort");
+        "in_place" and "retract" (SGLang's default) only pause here."""
+        mode = (body or {}).get("mode", "retract")
+        _expect(mode in ("abort", "retract", "in_place"), f"mode={mode!r}: expected 'abort', 'retract' or 'in_place'")
         self._running.clear()
+        if mode == "abort":
+            self.abort_request({"abort_all": True})
         return _Reply(200, {"message": "Generation paused successfully."})
 
     def continue_generation(self, _body=None):
@@ -469,6 +516,18 @@ class RolloutServer:
                 "context_length": self.engine.max_len, "recipe": self.engine.recipe_name,
                 "precision": dataclasses.asdict(self.engine.recipe), "weight_version": self.engine.version,
                 "batches_run": len(self.batches), "version": "quads-jax"}
+
+
+def routed_experts_b64(prompt_experts, output_experts) -> str:
+    """SGLang's ``routed_experts``: base64 of int32 [prompt + output - 1, moe_layers, k], the
+    experts of every position fed to the model (the prompt's, then each generated token's but
+    the last); SGLang's clients reshape it with the model's layer count and top-k."""
+    import base64
+
+    import numpy as np
+
+    rows = list(prompt_experts or []) + list(output_experts)
+    return base64.b64encode(np.asarray(rows, np.int32).tobytes()).decode("ascii")
 
 
 def _no_constant(name):
@@ -513,7 +572,7 @@ def _handler(server: RolloutServer, socket_timeout: float):
                 self.close_connection = True
                 return self._reply(413, {"error": {"message": f"body of {n} bytes exceeds {MAX_BODY}", "code": 413}})
             body = self.rfile.read(n) if n else b""
-            code, payload = server.handle(method, self.path, body)
+            code, payload = server.handle(method, self.path, body, self.headers.get("Authorization"))
             self._reply(code, payload)
 
         def do_GET(self):
@@ -550,7 +609,7 @@ def job_model(config_path: str, overrides: dict | None = None):
 
 def build_server(config_path: str, *, checkpoint: str | None = None, recipe: str = "quads", max_batch: int = 32,
                  max_len: int | None = None, overrides: dict | None = None, seed: int = 0,
-                 weights_dirs: list[str] | tuple[str, ...] = ()) -> RolloutServer:
+                 weights_dirs: list[str] | tuple[str, ...] = (), api_key: str | None = None) -> RolloutServer:
     """The server of a job config: its model, its task's tokenizer, weights from ``checkpoint``
     (orbax or HF directory) or a random initialisation. ``weights_dirs``: the roots that
     weight updates may load from (the checkpoint's own directory is always one)."""
@@ -563,7 +622,7 @@ def build_server(config_path: str, *, checkpoint: str | None = None, recipe: str
     eng = Engine(cfg, recipe=recipe, max_batch=max_batch, max_len=max_len, eos_token_id=tok.eos_id)
     srv_args = {"config": config_path, "checkpoint": checkpoint, "recipe": recipe}
     roots = list(weights_dirs) + ([os.path.dirname(os.path.abspath(checkpoint))] if checkpoint else [])
-    srv = RolloutServer(eng, tok, model_path=checkpoint, server_args=srv_args, weights_dirs=roots)
+    srv = RolloutServer(eng, tok, model_path=checkpoint, server_args=srv_args, weights_dirs=roots, api_key=api_key)
     if checkpoint:
         srv.bridge.load_from_disk(checkpoint)
     else:

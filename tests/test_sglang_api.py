@@ -158,3 +158,79 @@ def test_pause_continue_and_abort(served):
     code, out = _json(port, "/generate", {"input_ids": [1, 9], "sampling_params": {"max_new_tokens": 2}})
     assert code == 200 and len(out["output_ids"]) == 2
     assert _json(port, "/abort_request", {})[0] == 400
+
+
+def test_verl_http_adapter_payloads_are_served_and_parsed_as_verl_does(served):
+    """What verl's SGLang HttpServerAdapter and SGLangHttpServer send: the readiness probes, a
+    token-in generate request with routing replay, release / resume of memory between steps,
+    pause with mode abort; parsed as verl parses them (routed experts through SGLang's decoder
+    when sglang is installed)."""
+    srv, port = served
+    assert _call(port, "GET", "/health_generate")[0] == 200
+    assert _call(port, "GET", "/flush_cache?reset_connector=true")[0] == 200
+    prompt_ids = [1, 7, 9, 11, 4]
+    request = {"rid": "verl-0", "input_ids": prompt_ids, "image_data": None, "return_logprob": True,
+               "return_routed_experts": True,
+               "sampling_params": {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "repetition_penalty": 1.0,
+                                   "max_new_tokens": 6, "sampling_seed": 11}}  # a seed: the calls below compare outputs
+    code, output = _json(port, "/generate", request)
+    assert code == 200, output
+    meta = output["meta_info"]
+    token_ids = list(output["output_ids"])
+    output_token_logprobs = meta["output_token_logprobs"]
+    assert len(output_token_logprobs) == len(token_ids) > 0
+    log_probs = [float(lp) for lp, _, _ in output_token_logprobs]
+    assert meta["finish_reason"]["type"] in ("stop", "length") and all(lp <= 0 for lp in log_probs)
+    try:
+        from sglang.srt.state_capturer.routed_experts import extract_routed_experts_from_meta_info
+    except ImportError:  # the same decoding as SGLang's
+        import base64
+
+        import numpy as np
+        extract_routed_experts_from_meta_info = lambda o: np.frombuffer(base64.b64decode(o["meta_info"]["routed_experts"]), np.int32)
+    routed = extract_routed_experts_from_meta_info(output).reshape(-1, CFG.n_layers, CFG.experts_per_token)
+    # every position fed to the model: the prompt's, then each generated token's but the last
+    assert routed.shape[0] == len(prompt_ids) + len(token_ids) - 1
+    assert ((routed >= 0) & (routed < CFG.n_experts)).all()
+    assert all(len(set(row)) == CFG.experts_per_token for layer_rows in routed for row in layer_rows)
+    mine = _json(port, "/generate", {**request, "return_routed_experts": False, "return_experts": True})[1]
+    assert mine["output_ids"] == token_ids  # same seed
+    assert routed[len(prompt_ids) - 1:].tolist() == mine["meta_info"]["routed_experts"]
+    # memory released between steps: generate refuses, then runs the same as before
+    assert _json(port, "/release_memory_occupation", {"tags": None, "reset_connector": True})[0] == 200
+    code, err = _json(port, "/generate", request)
+    assert code == 400 and "released" in err["error"]["message"]
+    assert _json(port, "/resume_memory_occupation", {"tags": None})[0] == 200
+    assert _json(port, "/generate", request)[1]["output_ids"] == token_ids
+    assert _json(port, "/release_memory_occupation", {"tags": ["optimizer"]})[0] == 400
+    # abort_all_requests: pause with mode abort, then continue
+    assert _json(port, "/pause_generation", {"mode": "abort"})[0] == 200
+    assert _json(port, "/continue_generation", {})[0] == 200
+    assert _json(port, "/abort_request", {"rid": "", "abort_all": True})[0] == 200
+    assert _json(port, "/generate", request)[1]["output_ids"] == token_ids
+
+
+def test_api_key_as_sglang(served):
+    """With an API key every endpoint but /health* needs the bearer token: 401 otherwise."""
+    srv, _ = served
+    keyed = RolloutServer(srv.engine, CharTokenizer(), api_key="s3cret")
+    httpd = make_http_server(keyed, "127.0.0.1", 0, socket_timeout=5.0)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    port = httpd.server_address[1]
+    try:
+        body = {"input_ids": [1, 5], "sampling_params": {"max_new_tokens": 1}}
+        code, out = _json(port, "/generate", body)
+        assert code == 401 and out == {"error": "Unauthorized"}
+        assert _call(port, "GET", "/health")[0] == 200 and _call(port, "GET", "/model_info")[0] == 401
+        assert keyed.handle("POST", "/generate", json.dumps(body).encode(), "Bearer wrong")[0] == 401
+        assert keyed.handle("POST", "/generate", json.dumps(body).encode(), "Bearer s3cret")[0] == 200
+        ok = RolloutClient(f"http://127.0.0.1:{port}", api_key="s3cret")
+        assert ok.health() is True and ok.flush_cache() is True
+        with pytest.raises(Exception, match="401|Unauthorized"):
+            RolloutClient(f"http://127.0.0.1:{port}").flush_cache()
+        with pytest.raises(ValueError, match="api_key"):
+            RolloutServer(srv.engine, CharTokenizer(), api_key="")
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+        keyed.close()
