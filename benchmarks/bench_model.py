@@ -81,7 +81,7 @@ def step_profile(eng, batch, max_len, steps=4, top=14):
     b = batch
     args = (eng._state, np.ones(b, np.int32), np.ones(b, bool), cache, np.ones(b, np.float32), np.ones(b, np.float32),
             np.zeros(b, np.int32), np.arange(b, dtype=np.uint32), np.full(b, 256, np.int32), np.full(b, 100, np.int32),
-            np.full((b, 1), -1, np.int32), np.int32(steps))
+            np.full((b, 1), -1, np.int32), np.int32(steps), np.zeros(b, bool))
     f = jax.jit(eng._burst_impl)
     jax.block_until_ready(f(*args))
     _, per_iter = profiler.measure(f, aggregate=False, iterations=3)(*args)

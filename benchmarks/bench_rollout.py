@@ -194,7 +194,7 @@ def step_seconds(eng, batch, live, bursts=6):
     b = batch
     args = lambda: (eng._state, np.ones(b, np.int32), np.ones(b, bool))
     rest = (np.ones(b, np.float32), np.ones(b, np.float32), np.zeros(b, np.int32), np.arange(b, dtype=np.uint32),
-            np.full(b, start, np.int32), np.full(b, 10**6, np.int32), np.full((b, eng.max_stop_ids), -1, np.int32), np.int32(n))
+            np.full(b, start, np.int32), np.full(b, 10**6, np.int32), np.full((b, eng.max_stop_ids), -1, np.int32), np.int32(n), np.zeros(b, bool))
     out, cache = eng._burst(*args(), cache, *rest)
     jax.block_until_ready(out)
     cache["lengths"] = jnp.full((batch,), start, jnp.int32)

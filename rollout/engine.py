@@ -56,6 +56,8 @@ class Request:
     stop_token_ids: Sequence[int] = ()
     ignore_eos: bool = False
     return_experts: bool = False
+    top_logprobs: int = 0  # the most likely tokens' log-probs at each generated position (<= TOP_LOGPROBS_MAX)
+    prompt_logprobs: bool = False  # log-probs of the prompt's tokens (and their top ones with top_logprobs)
 
 
 @dataclasses.dataclass
@@ -67,6 +69,9 @@ class Result:
     weight_version: object
     experts: list | None = None  # per generated token: [moe_layers][k] expert ids of the position that sampled it
     prompt_experts: list | None = None  # per prompt position but the last: [moe_layers][k] (the rest of SGLang's routed_experts)
+    top_logprobs: list | None = None  # per generated token: [(logprob, token id)] * Request.top_logprobs, best first
+    prompt_logprobs: list | None = None  # log p(prompt[i] | prompt[:i]) for i = 1 .. len(prompt) - 1
+    prompt_top_logprobs: list | None = None  # per prompt position 1 ..: [(logprob, token id)] * Request.top_logprobs
 
 
 def sample(logits, temperature, top_p, top_k, keys):
@@ -96,6 +101,21 @@ def sample(logits, temperature, top_p, top_k, keys):
     tok = jnp.where(temperature <= 0, jnp.argmax(logits, axis=-1), pick).astype(jnp.int32)
     lp = jax.nn.log_softmax(logits, axis=-1)
     return tok, jnp.take_along_axis(lp, tok[:, None], axis=-1)[:, 0]
+
+
+TOP_LOGPROBS_MAX = 20  # the widest top-log-prob list a request may ask for (one static shape)
+
+
+def top_logprobs(logits, want):
+    """The TOP_LOGPROBS_MAX largest log-probs of logits [..., V] and their token ids, best first;
+    computed only when ``want`` (a traced bool), zeros otherwise (one program either way)."""
+    shape = logits.shape[:-1] + (TOP_LOGPROBS_MAX,)
+
+    def run(x):
+        v, i = jax.lax.top_k(jax.nn.log_softmax(x, axis=-1), TOP_LOGPROBS_MAX)
+        return v, i.astype(jnp.int32)
+
+    return jax.lax.cond(want, run, lambda x: (jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.int32)), logits)
 
 
 def row_keys(seeds, positions):
@@ -185,29 +205,38 @@ class Engine:
     def loaded(self) -> bool:
         return self.version is not None or hasattr(self, "_state")
 
-    def _sample_at(self, model, tokens, mask, cache, last_idx, temperature, top_p, top_k, seeds, pos):
+    def _sample_at(self, model, tokens, mask, cache, last_idx, temperature, top_p, top_k, seeds, pos, want_top):
         """One forward over tokens [B, T]; samples at each row's last_idx. -> (tok, lp, cache,
-        experts [B, L_moe, k] at that position, or None)."""
+        experts [B, L_moe, k] at that position or None, top log-probs (values, ids) [B, TOP],
+        logits [B, T, V], experts of every position [B, T, L_moe, k] or None)."""
         logits, aux, cache = model.forward(tokens, mask=mask, cache=cache)
         last = jnp.take_along_axis(logits, last_idx[:, None, None], axis=1)[:, 0]
         tok, lp = sample(last, temperature, top_p, top_k, row_keys(seeds, pos))
-        experts = aux["experts"]
-        if experts is not None:  # [L, B, T, k] -> at the last real position [B, L, k]
-            experts = jnp.take_along_axis(experts, last_idx[None, :, None, None], axis=2)[:, :, 0].transpose(1, 0, 2)
-        return tok, lp, cache, experts
-
-    def _step_impl(self, state, tokens, mask, cache, last_idx, temperature, top_p, top_k, seeds, pos):
-        """A prefill: ``_sample_at`` plus the experts of every position [B, T, L, k] (or None),
-        fetched to the host only for requests that asked for their routing."""
-        model = nnx.merge(self._rgraph, state)
-        logits, aux, cache = model.forward(tokens, mask=mask, cache=cache)
-        last = jnp.take_along_axis(logits, last_idx[:, None, None], axis=1)[:, 0]
-        tok, lp = sample(last, temperature, top_p, top_k, row_keys(seeds, pos))
+        top = top_logprobs(last, jnp.any(want_top & mask.any(1)))
         every = None if aux["experts"] is None else aux["experts"].transpose(1, 2, 0, 3)  # [B, T, L, k]
         at_last = None if every is None else jnp.take_along_axis(every, last_idx[:, None, None, None], axis=1)[:, 0]
-        return tok, lp, cache, at_last, every
+        return tok, lp, cache, at_last, top, logits, every
 
-    def _burst_impl(self, state, tok, alive, cache, temperature, top_p, top_k, seeds, pos, remaining, stops, n_steps):
+    def _step_impl(self, state, tokens, mask, cache, last_idx, temperature, top_p, top_k, seeds, pos, want_top,
+                   want_prompt):
+        """A prefill: ``_sample_at``, plus for the rows that ask (computed only when one does) the
+        prompt's log-probs [B, T-1] and their top ones, and the experts of every position
+        [B, T, L, k] (fetched to the host only for requests that asked for their routing)."""
+        model = nnx.merge(self._rgraph, state)
+        tok, lp, cache, at_last, top, logits, every = self._sample_at(model, tokens, mask, cache, last_idx, temperature,
+                                                                      top_p, top_k, seeds, pos, want_top)
+        pred = logits[:, :-1]  # position i predicts token i + 1
+
+        def prompt_lp(x):
+            return jnp.take_along_axis(jax.nn.log_softmax(x, axis=-1), tokens[:, 1:, None], axis=-1)[..., 0]
+
+        any_prompt = jnp.any(want_prompt & mask.any(1))
+        plp = jax.lax.cond(any_prompt, prompt_lp, lambda x: jnp.zeros(x.shape[:2], jnp.float32), pred)
+        ptop = top_logprobs(pred, jnp.any(want_prompt & want_top & mask.any(1)))
+        return tok, lp, cache, at_last, top, every, plp, ptop
+
+    def _burst_impl(self, state, tok, alive, cache, temperature, top_p, top_k, seeds, pos, remaining, stops, n_steps,
+                    want_top):
         """Up to ``n_steps`` (<= decode_burst) decode steps in one device loop. Row b feeds its
         last token while ``alive[b]``; it stops after ``remaining[b]`` tokens or on a token in
         ``stops[b]`` (padded with -1). Returns per step [decode_burst, B] tokens, logprobs, and
@@ -217,19 +246,22 @@ class Engine:
         zeros_b = jnp.zeros((b,), jnp.int32)
 
         def step(tok, alive, cache, pos):
-            return self._sample_at(model, tok[:, None], alive[:, None], cache, zeros_b, temperature, top_p, top_k,
-                                   seeds, pos)
+            t, lp, cache, ex, top, _, _ = self._sample_at(model, tok[:, None], alive[:, None], cache, zeros_b, temperature,
+                                                          top_p, top_k, seeds, pos, want_top)
+            return t, lp, cache, ex, top
 
         shapes = jax.eval_shape(step, tok, alive, cache, pos)
         out = {"tok": jnp.zeros((nb, b), jnp.int32), "lp": jnp.zeros((nb, b), jnp.float32),
-               "emitted": jnp.zeros((nb, b), bool)}
+               "emitted": jnp.zeros((nb, b), bool), "top_lp": jnp.zeros((nb, b, TOP_LOGPROBS_MAX), jnp.float32),
+               "top_id": jnp.zeros((nb, b, TOP_LOGPROBS_MAX), jnp.int32)}
         if shapes[3] is not None:
             out["experts"] = jnp.zeros((nb,) + shapes[3].shape, shapes[3].dtype)
 
         def body(i, carry):
             tok, alive, cache, pos, rem, out = carry
-            t, lp, cache, ex = step(tok, alive, cache, pos)
-            out = dict(out, tok=out["tok"].at[i].set(t), lp=out["lp"].at[i].set(lp), emitted=out["emitted"].at[i].set(alive))
+            t, lp, cache, ex, (tv, ti) = step(tok, alive, cache, pos)
+            out = dict(out, tok=out["tok"].at[i].set(t), lp=out["lp"].at[i].set(lp), emitted=out["emitted"].at[i].set(alive),
+                       top_lp=out["top_lp"].at[i].set(tv), top_id=out["top_id"].at[i].set(ti))
             if ex is not None:
                 out["experts"] = out["experts"].at[i].set(ex)
             step_on = alive.astype(jnp.int32)
@@ -271,6 +303,8 @@ class Engine:
             bad = [t for t in prompt if not 0 <= int(t) < v]
             if bad:
                 raise ValueError(f"{name}.prompt: token ids {bad[:5]} outside [0, {v})")
+            if not isinstance(r.top_logprobs, Integral) or isinstance(r.top_logprobs, bool) or not 0 <= r.top_logprobs <= TOP_LOGPROBS_MAX:
+                raise ValueError(f"{name}.top_logprobs={r.top_logprobs!r}: expected an integer in [0, {TOP_LOGPROBS_MAX}]")
             stops = list(r.stop_token_ids)
             if not all(isinstance(t, Integral) and not isinstance(t, bool) and 0 <= t < v for t in stops):
                 raise ValueError(f"{name}.stop_token_ids: expected token ids in [0, {v})")
@@ -305,16 +339,24 @@ class Engine:
         out_lp = [[] for _ in requests]
         out_ex = [[] for _ in requests]
         prompt_ex = [None] * len(requests)
+        out_top = [[] for _ in requests]
+        prompt_lp = [None] * len(requests)
+        prompt_top = [None] * len(requests)
         finish = [None] * len(requests)
         last_tok = np.zeros(b, np.int32)
         temp = np.ones(b, np.float32)
         topp = np.ones(b, np.float32)
         topk = np.zeros(b, np.int32)
         seeds = np.zeros(b, np.uint32)
+        want_top = np.zeros(b, bool)
+        want_prompt = np.zeros(b, bool)
 
         stop_sets = [set(self._stop_ids(r)) for r in requests]
 
-        def record(rows, toks, lps, emitted, experts):
+        def pairs(vals, ids, n):
+            return [(float(v), int(t)) for v, t in zip(vals[:n], ids[:n])]
+
+        def record(rows, toks, lps, emitted, experts, top=None):
             """Append step i's token of each row that emitted one; finish and free slots."""
             for i in range(toks.shape[0]):
                 for s in rows:
@@ -326,6 +368,8 @@ class Engine:
                     out_lp[ri].append(float(lps[i, s]))
                     if r.return_experts and experts is not None:
                         out_ex[ri].append(experts[i, s].tolist())
+                    if r.top_logprobs:
+                        out_top[ri].append(pairs(top[0][i, s], top[1][i, s], r.top_logprobs))
                     last_tok[s] = t
                     stop = t in stop_sets[ri]
                     if stop or len(out_ids[ri]) >= r.max_new_tokens:
@@ -347,6 +391,7 @@ class Engine:
                     r = requests[slot_req[s]]
                     temp[s], topp[s], seeds[s] = r.temperature, r.top_p, r.seed
                     topk[s] = 0 if r.top_k >= vocab else r.top_k
+                    want_top[s], want_prompt[s] = r.top_logprobs > 0, r.prompt_logprobs
                 groups: dict[int, list[int]] = {}
                 for s in admit:
                     n = len(requests[slot_req[s]].prompt)
@@ -362,14 +407,22 @@ class Engine:
                         mask[s, : len(r.prompt)] = True
                     cache["lengths"] = jnp.asarray(lengths)
                     last = np.maximum(mask.sum(1) - 1, 0).astype(np.int32)
-                    tok, lp, cache, ex, every = self._step(state, toks, mask, cache, last, temp, topp, topk, seeds, positions())
+                    tok, lp, cache, ex, top, every, plp, ptop = self._step(
+                        state, toks, mask, cache, last, temp, topp, topk, seeds, positions(), want_top & mask.any(1),
+                        want_prompt & mask.any(1))
                     wants = [s for s in rows if requests[slot_req[s]].return_experts]
                     if wants and every is not None:
                         every_h = np.asarray(every)
                         for s in wants:
                             prompt_ex[slot_req[s]] = every_h[s, : len(requests[slot_req[s]].prompt) - 1].tolist()
+                    for s in (s for s in rows if requests[slot_req[s]].prompt_logprobs):
+                        r, n = requests[slot_req[s]], len(requests[slot_req[s]].prompt) - 1
+                        prompt_lp[slot_req[s]] = np.asarray(plp)[s, :n].tolist()
+                        if r.top_logprobs:
+                            pv, pi = np.asarray(ptop[0])[s], np.asarray(ptop[1])[s]
+                            prompt_top[slot_req[s]] = [pairs(pv[j], pi[j], r.top_logprobs) for j in range(n)]
                     record(rows, np.asarray(tok)[None], np.asarray(lp)[None], np.ones((1, b), bool),
-                           None if ex is None else np.asarray(ex)[None])
+                           None if ex is None else np.asarray(ex)[None], tuple(np.asarray(a)[None] for a in top))
                 continue
             active = [i for i in range(b) if slot_req[i] >= 0]
             remaining = np.zeros(b, np.int32)
@@ -383,10 +436,15 @@ class Engine:
                 x = sorted(stop_sets[slot_req[s]])
                 table[s, : len(x)] = x
             out, cache = self._burst(state, last_tok, remaining > 0, cache, temp, topp, topk, seeds, positions(),
-                                     remaining, table, np.int32(n))
+                                     remaining, table, np.int32(n), want_top)
+            if not want_top[active].any():  # the top log-probs were not computed: leave them on the device
+                out = {k: v for k, v in out.items() if not k.startswith("top_")}
             out = jax.device_get(out)
-            record(active, out["tok"][:n], out["lp"][:n], out["emitted"][:n], out.get("experts"))
+            record(active, out["tok"][:n], out["lp"][:n], out["emitted"][:n], out.get("experts"),
+                   (out["top_lp"][:n], out["top_id"][:n]) if "top_lp" in out else None)
         return [Result(output_ids=out_ids[i], logprobs=out_lp[i], finish_reason=finish[i],
                        prompt_tokens=len(requests[i].prompt), weight_version=version,
                        experts=out_ex[i] if requests[i].return_experts else None,
-                       prompt_experts=prompt_ex[i] if requests[i].return_experts else None) for i in range(len(requests))]
+                       prompt_experts=prompt_ex[i] if requests[i].return_experts else None,
+                       top_logprobs=out_top[i] if requests[i].top_logprobs else None,
+                       prompt_logprobs=prompt_lp[i], prompt_top_logprobs=prompt_top[i]) for i in range(len(requests))]

@@ -43,22 +43,22 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from rollout.bridge import WeightBridge
-from rollout.engine import Engine, Request, Result
+from rollout.engine import TOP_LOGPROBS_MAX, Engine, Request, Result
 
 # SGLang's GenerateReqInput (0.5.23): fields this server honours; fields it cannot honour, refused
 # with a 400 naming them when set to anything but their SGLang default (a value that changes
 # nothing); any other top-level field is ignored, as SGLang ignores fields it does not know.
 GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "return_logprob", "rid", "stream", "logprob_start_len",
-                   "return_text_in_logprobs", "return_experts", "return_routed_experts", "log_metrics", "session_id"}
+                   "top_logprobs_num", "return_text_in_logprobs", "return_experts", "return_routed_experts", "log_metrics",
+                   "session_id"}
 GENERATE_UNSUPPORTED = {  # field -> its values that change nothing
     "input_embeds": (None,), "image_data": (None, []), "video_data": (None, []), "audio_data": (None, []),
     "lora_path": (None,), "lora_id": (None,), "custom_logit_processor": (None,), "return_hidden_states": (None, False),
-    "session_params": (None,), "token_ids_logprob": (None,), "top_logprobs_num": (None, 0),
+    "session_params": (None,), "token_ids_logprob": (None,),
     "return_indexer_topk": (None, False), "return_sampling_mask": (None, False),
     "bootstrap_host": (None,), "bootstrap_room": (None,),
 }
 GENERATE_WHY = {
-    "top_logprobs_num": "top log-probs are not computed by this engine",
     "input_embeds": "the engine takes token ids", "custom_logit_processor": "no custom logit processors",
 }
 # SGLang's SamplingParams (0.5.23), every field: honoured, or refused (400 naming it) unless at a
@@ -358,9 +358,6 @@ class RolloutServer:
             if k in body and not any(body[k] == v and type(body[k]) is type(v) for v in neutral):
                 _expect(False, f"{k}: not supported by this server ({GENERATE_WHY.get(k, 'the engine cannot do it')})")
         _expect(not body.get("stream"), "stream: streaming is not supported by this server")
-        lsl = body.get("logprob_start_len")
-        _expect(lsl is None or lsl == -1, f"logprob_start_len={lsl!r}: input token log-probs are not computed by this "
-                                         "engine (only -1, the default)")
         _expect(("text" in body) != ("input_ids" in body), "expected exactly one of 'text' and 'input_ids'")
         if "text" in body:
             t = body["text"]
@@ -377,6 +374,14 @@ class RolloutServer:
             prompts = [ids] if single else ids
             _expect(isinstance(prompts, list) and prompts and all(_is_int_list(p) for p in prompts),
                     "input_ids: expected a list of integers or a non-empty list of such lists")
+        starts = self._per_prompt(body, "logprob_start_len", -1, len(prompts))
+        tops = self._per_prompt(body, "top_logprobs_num", 0, len(prompts))
+        for p, st, tn in zip(prompts, starts, tops):
+            _expect(isinstance(st, int) and not isinstance(st, bool) and -1 <= st < len(p),
+                    f"logprob_start_len={st!r}: expected -1 (the last prompt token) or an integer below the prompt length {len(p)}")
+            _expect(isinstance(tn, int) and not isinstance(tn, bool) and 0 <= tn <= TOP_LOGPROBS_MAX,
+                    f"top_logprobs_num={tn!r}: expected an integer in [0, {TOP_LOGPROBS_MAX}]")
+        want_lp = bool(body.get("return_logprob"))
         sps = body.get("sampling_params")
         sps = sps if isinstance(sps, list) else [sps] * len(prompts)
         _expect(len(sps) == len(prompts), f"sampling_params: {len(sps)} given for {len(prompts)} prompts")
@@ -386,13 +391,13 @@ class RolloutServer:
         for i, (p, sp) in enumerate(zip(prompts, parsed)):
             kw = {k: v for k, v in sp.items() if k not in LOCAL_KEYS}
             kw.setdefault("seed", (base_seed * 7919 + i) % (2**31))
-            reqs.append(Request(prompt=p, return_experts=bool(body.get("return_experts") or body.get("return_routed_experts")), **kw))
+            reqs.append(Request(prompt=p, return_experts=bool(body.get("return_experts") or body.get("return_routed_experts")),
+                                top_logprobs=tops[i] if want_lp else 0, prompt_logprobs=want_lp and starts[i] >= 0, **kw))
         rid = body.get("rid")
         if isinstance(rid, list):
             _expect(len(rid) == len(prompts) and all(isinstance(x, str) for x in rid),
                     f"rid: expected one string per prompt ({len(prompts)})")
         results = self.submit(reqs, rids=rid if isinstance(rid, list) else [rid] * len(reqs))
-        want_lp = bool(body.get("return_logprob"))
         lp_text = bool(body.get("return_text_in_logprobs"))
         outs = []
         for i, (r, sp) in enumerate(zip(results, parsed)):
@@ -408,16 +413,36 @@ class RolloutServer:
             meta = {"id": (rid[i] if isinstance(rid, list) else rid) or uuid.uuid4().hex, "finish_reason": finish,
                     "prompt_tokens": r.prompt_tokens, "completion_tokens": len(ids), "weight_version": r.weight_version}
             if want_lp:
-                meta["output_token_logprobs"] = [[lp, t, _decode(self.tokenizer, [t], sp["decode"]) if lp_text else None]
-                                                 for lp, t in zip(lps, ids)]
-                # SGLang's default logprob_start_len (-1) starts at the last prompt token, which has no log-prob
-                meta["input_token_logprobs"] = [[None, prompts[i][-1], None]]
+                txt = (lambda t: _decode(self.tokenizer, [t], sp["decode"])) if lp_text else (lambda t: None)
+                triples = lambda pairs: [[v, t, txt(t)] for v, t in pairs]
+                meta["output_token_logprobs"] = [[lp, t, txt(t)] for lp, t in zip(lps, ids)]
+                p, st = prompts[i], starts[i]
+                if st < 0:  # SGLang's default starts at the last prompt token, which gets no log-prob
+                    meta["input_token_logprobs"] = [[None, p[-1], None]]
+                else:  # position 0 has no context: None, as SGLang
+                    plp = [None] + list(r.prompt_logprobs)
+                    meta["input_token_logprobs"] = [[plp[j], p[j], txt(p[j])] for j in range(st, len(p))]
+                if tops[i]:
+                    meta["output_top_logprobs"] = [triples(x) for x in r.top_logprobs[: len(ids)]]
+                    if st >= 0:
+                        ptop = [None] + [triples(x) for x in r.prompt_top_logprobs]
+                        meta["input_top_logprobs"] = ptop[st:]
             if r.experts is not None and body.get("return_routed_experts"):
                 meta["routed_experts"] = routed_experts_b64(r.prompt_experts, r.experts[: len(ids)])
             elif r.experts is not None:  # this server's own form: per generated token, [moe_layers][k]
                 meta["routed_experts"] = r.experts[: len(ids)]
             outs.append({"text": text, "output_ids": ids, "meta_info": meta})
         return outs[0] if single else outs
+
+    @staticmethod
+    def _per_prompt(body: dict, key: str, default, n: int) -> list:
+        """A field given once for all prompts or as a list of one value a prompt (SGLang's form)."""
+        v = body.get(key, default)
+        v = default if v is None else v
+        if isinstance(v, list):
+            _expect(len(v) == n, f"{key}: {len(v)} values given for {n} prompts")
+            return [default if x is None else x for x in v]
+        return [v] * n
 
     def update_weights_from_disk(self, body: dict):
         """SGLang's request (model_path, load_format, weight_version, abort_all_requests; its other

@@ -1,11 +1,13 @@
 """The server against what SGLang's RL clients send and parse (SGLang 0.5.23's GenerateReqInput
-and SamplingParams; slime's rollout payload as its sglang_rollout.generate builds it)."""
+and SamplingParams; slime's rollout payload as its sglang_rollout.generate builds it; verl's
+HttpServerAdapter and SGLangHttpServer requests)."""
 
 import http.client
 import json
 import threading
 import time
 
+import numpy as np
 import pytest
 from flax import nnx
 
@@ -80,8 +82,42 @@ def test_unknown_top_level_fields_are_ignored_and_unsupported_ones_named(served)
     for field in GENERATE_UNSUPPORTED:
         code, err = _json(port, "/generate", {"input_ids": [1, 5], field: 3})
         assert code == 400 and err["error"]["message"].startswith(field), (field, err)
-    code, err = _json(port, "/generate", {"input_ids": [1, 5], "logprob_start_len": 0})
+    code, err = _json(port, "/generate", {"input_ids": [1, 5], "logprob_start_len": 2})
     assert code == 400 and "logprob_start_len" in err["error"]["message"]
+    code, err = _json(port, "/generate", {"input_ids": [1, 5], "top_logprobs_num": 21})
+    assert code == 400 and "top_logprobs_num" in err["error"]["message"]
+
+
+def test_input_and_top_logprobs_as_sglang_returns_them(served):
+    """logprob_start_len >= 0 returns the prompt's token log-probs (position 0: None), equal to
+    the log-probs the engine gave the same tokens when it generated them; top_logprobs_num adds
+    the best tokens per position, best first, with the sampled token among them when it ranks."""
+    _, port = served
+    prompt = [1, 7, 9, 11]
+    sp = {"max_new_tokens": 5, "temperature": 1.0, "sampling_seed": 5}
+    gen = _json(port, "/generate", {"input_ids": prompt, "sampling_params": sp, "return_logprob": True,
+                                    "top_logprobs_num": 3})[1]
+    out_ids = gen["output_ids"]
+    out_lp = [lp for lp, _, _ in gen["meta_info"]["output_token_logprobs"]]
+    tops = gen["meta_info"]["output_top_logprobs"]
+    assert len(tops) == len(out_ids) and all(len(t) == 3 for t in tops)
+    for (lp, tok, _), top in zip(gen["meta_info"]["output_token_logprobs"], tops):
+        vals = [v for v, _, _ in top]
+        assert vals == sorted(vals, reverse=True) and vals[0] >= lp - 1e-6
+        assert lp < vals[-1] - 1e-6 or tok in [t for _, t, _ in top]
+    full = prompt + out_ids[:-1]
+    again = _json(port, "/generate", {"input_ids": full, "sampling_params": {"max_new_tokens": 1}, "return_logprob": True,
+                                      "logprob_start_len": 0, "top_logprobs_num": 2, "return_text_in_logprobs": True})[1]
+    inp = again["meta_info"]["input_token_logprobs"]
+    assert len(inp) == len(full) and inp[0][0] is None and [t for _, t, _ in inp] == full
+    assert all(isinstance(text, str) for _, _, text in inp)
+    # the prompt's log-probs of the generated tokens: what decoding gave them (prefill vs decode rounding)
+    np.testing.assert_allclose([v for v, _, _ in inp[len(prompt):]], out_lp[:-1], atol=1e-4)
+    itop = again["meta_info"]["input_top_logprobs"]
+    assert itop[0] is None and len(itop) == len(full) and all(len(t) == 2 for t in itop[1:])
+    part = _json(port, "/generate", {"input_ids": full, "sampling_params": {"max_new_tokens": 1}, "return_logprob": True,
+                                     "logprob_start_len": 2})[1]["meta_info"]["input_token_logprobs"]
+    assert part == [[v, t, None] for v, t, _ in inp[2:]]
 
 
 @pytest.mark.parametrize("field", sorted(SAMPLING_NEUTRAL))
@@ -186,7 +222,6 @@ def test_verl_http_adapter_payloads_are_served_and_parsed_as_verl_does(served):
     except ImportError:  # the same decoding as SGLang's
         import base64
 
-        import numpy as np
         extract_routed_experts_from_meta_info = lambda o: np.frombuffer(base64.b64decode(o["meta_info"]["routed_experts"]), np.int32)
     routed = extract_routed_experts_from_meta_info(output).reshape(-1, CFG.n_layers, CFG.experts_per_token)
     # every position fed to the model: the prompt's, then each generated token's but the last
