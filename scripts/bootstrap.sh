@@ -27,8 +27,7 @@ if [ ! -f "$venv/.quads-ready" ]; then
   mkdir -p "$(dirname "$venv")"
   PYENV_VERSION="${PYENV_VERSION:-3.12.1}" "$py" -m venv "$venv"
   "$venv/bin/python" -m pip install -q --upgrade pip >&2
-  # Dependencies come from pyproject.toml (base + torch + test extras); the project itself is
-  # not installed: the wrappers put the checkout on PYTHONPATH, so any clone uses this venv.
+  # Dependencies come from pyproject.toml (base + torch + test extras).
   deps=$("$venv/bin/python" - "$root/pyproject.toml" <<'PY'
 import sys, tomllib
 p = tomllib.load(open(sys.argv[1], "rb"))["project"]
@@ -44,6 +43,9 @@ PY
   sgl=$("$venv/bin/python" -c 'import sys, tomllib; print(tomllib.load(open(sys.argv[1], "rb"))["project"]["optional-dependencies"]["sglang"][0])' "$root/pyproject.toml")
   "$venv/bin/python" -m pip install -q --no-deps "$sgl" >&2
   "$venv/bin/python" -m pip install -q -r "$root/scripts/sglang-cpu.txt" -c "$root/scripts/sglang-constraints.txt" >&2
+  # The project itself, editable: its metadata and entry points (SGLang finds the quads_nvfp4
+  # plugin through them); the wrappers still put their own checkout first on PYTHONPATH.
+  "$venv/bin/python" -m pip install -q --no-deps -e "$root" >&2
   touch "$venv/.quads-ready"
 fi
 echo "$venv"

@@ -42,7 +42,12 @@ def install_entry_points(root):
 def main(export):
     out = {}
     # a server process: SGLang loads its general plugins, ours among them, before parsing
-    install_entry_points(os.path.join(os.path.dirname(export), "site"))
+    from importlib.metadata import entry_points
+
+    installed = any(e.name == "quads_nvfp4" for e in entry_points(group="sglang.srt.plugins"))
+    out["entry_point_source"] = "installed" if installed else "this checkout's pyproject.toml"
+    if not installed:  # the package is not pip-installed here: write the metadata pip would
+        install_entry_points(os.path.join(os.path.dirname(export), "site"))
     from sglang.srt.layers import quantization as q
     from sglang.srt.plugins import load_plugins
 
