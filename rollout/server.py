@@ -12,15 +12,15 @@ Endpoints (request and response fields as in SGLang, so its clients work unchang
 With ``api_key`` (``quads serve --api-key``), every endpoint but /health* needs SGLang's
 ``Authorization: Bearer <key>`` header, else 401 (SGLang's rule and reply).
 
-Concurrency: each HTTP request runs on its own thread and queues its sequences; one
-scheduler thread takes everything queued within ``batch_window_s`` and runs it as one
-``Engine.generate`` call (continuous batching inside), so concurrent clients share the
-decode batch. Every request is validated against the engine's true limits before it is
+Serving: FastAPI on uvicorn, as SGLang serves its API (``make_app``, ``HTTPServer``). Each
+request is handled on a worker thread and queues its sequences; one scheduler thread takes
+everything queued within ``batch_window_s`` and runs it as one ``Engine.generate`` call
+(continuous batching inside), so concurrent clients share the decode batch. Every request is validated against the engine's true limits before it is
 queued (``Engine.validate``: types, NaN, ranges, seed width, vocabulary, context length),
 and answered 400 with the reason. Should a batch still fail, each of its requests is rerun
-alone, so only the one that caused it fails. Connections: a listen backlog of 1024, a
-socket timeout for idle and slow clients, 400 for malformed framing (Content-Length) and
-413 for bodies over 64 MiB. Weight updates load only from directories under the roots the
+alone, so only the one that caused it fails. Connections: a listen backlog of 1024; idle
+clients are dropped after the socket timeout, and a client that stalls inside its body gets
+408; 400 for malformed framing (uvicorn's HTTP parser), 413 for bodies over 64 MiB. Weight updates load only from directories under the roots the
 operator allowed at start-up (``weights_dirs``; symlinks resolved), their errors do not
 reveal what exists on disk, and a failed or corrupt update keeps the old weights. Outputs
 do not depend on batch companions (``rollout.engine``). The server keeps serving.
@@ -38,40 +38,17 @@ import threading
 import time
 import uuid
 from concurrent.futures import Future
-from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from pydantic import ValidationError
+
+from rollout import schemas
 from rollout.bridge import WeightBridge
 from rollout.engine import TOP_LOGPROBS_MAX, Engine, Request, Result
 
-# SGLang's GenerateReqInput (0.5.23): fields this server honours; fields it cannot honour, refused
-# with a 400 naming them when set to anything but their SGLang default (a value that changes
-# nothing); any other top-level field is ignored, as SGLang ignores fields it does not know.
-GENERATE_FIELDS = {"text", "input_ids", "sampling_params", "return_logprob", "rid", "stream", "logprob_start_len",
-                   "top_logprobs_num", "return_text_in_logprobs", "return_experts", "return_routed_experts", "log_metrics",
-                   "session_id"}
-GENERATE_UNSUPPORTED = {  # field -> its values that change nothing
-    "input_embeds": (None,), "image_data": (None, []), "video_data": (None, []), "audio_data": (None, []),
-    "lora_path": (None,), "lora_id": (None,), "custom_logit_processor": (None,), "return_hidden_states": (None, False),
-    "session_params": (None,), "token_ids_logprob": (None,),
-    "return_indexer_topk": (None, False), "return_sampling_mask": (None, False),
-    "bootstrap_host": (None,), "bootstrap_room": (None,),
-}
-GENERATE_WHY = {
-    "input_embeds": "the engine takes token ids", "custom_logit_processor": "no custom logit processors",
-}
-# SGLang's SamplingParams (0.5.23), every field: honoured, or refused (400 naming it) unless at a
-# value that changes nothing; an unknown field is a 400, as SGLang's SamplingParams(**d) fails.
-SAMPLING_FIELDS = {"max_new_tokens", "temperature", "top_p", "top_k", "stop", "stop_token_ids", "ignore_eos", "seed",
-                   "sampling_seed", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim",
-                   "stream_interval", "custom_params", "min_p", "n"}
-SAMPLING_NEUTRAL = {  # field -> the values that change nothing; others are refused
-    "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0), "repetition_penalty": (1, 1.0), "min_new_tokens": (0,),
-    "logit_bias": (None, {}), "regex": (None,), "json_schema": (None,), "ebnf": (None,), "structural_tag": (None,),
-    "stop_regex": (None, [], ""), "beam_width": (None, 1), "watermark": (None,), "ebnf_full_assistant": (False,),
-}
-UPDATE_FIELDS = {"model_path", "weight_version", "load_format", "abort_all_requests"}
+# SGLang's GenerateReqInput and SamplingParams (0.5.23) as pydantic models: rollout.schemas
+GENERATE_UNSUPPORTED = {k: v[0] for k, v in schemas.GENERATE_UNSUPPORTED.items()}  # field -> values that change nothing
+SAMPLING_NEUTRAL = schemas.SAMPLING_NEUTRAL
 FLUSH_TEXT = "Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting requests, the operation will not be performed.)\n"
 MAX_BODY = 64 << 20
 SOCKET_TIMEOUT_S = 60.0  # idle or slow clients are dropped after this long without progress
@@ -94,77 +71,34 @@ def _expect(cond: bool, msg: str):
         raise BadRequest(msg)
 
 
-def _is_int_list(v) -> bool:
-    return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
-
-
-def _number(d: dict, k: str):
-    v = d[k]
-    _expect(isinstance(v, (int, float)) and not isinstance(v, bool), f"sampling_params.{k}={v!r}: expected a number")
-    return v
+def _valid(model, data, prefix: str = ""):
+    """``model`` validated from ``data``, or BadRequest with the first error on one line."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        raise BadRequest(schemas.one_line(e, data, prefix)) from None
 
 
 def parse_sampling(sp: dict | None, *, tokenizer, eos_id) -> dict:
-    """SGLang ``sampling_params`` -> Request keyword arguments (+ ``stop_strings``)."""
+    """SGLang ``sampling_params`` -> Request keyword arguments (+ the server's own keys,
+    ``LOCAL_KEYS``), validated by ``schemas.SamplingParams``."""
     sp = {} if sp is None else sp
     _expect(isinstance(sp, dict), "sampling_params: expected an object")
-    unknown = sorted(set(sp) - SAMPLING_FIELDS - set(SAMPLING_NEUTRAL))
-    _expect(not unknown, f"sampling_params: unknown fields {unknown}; supported: {sorted(SAMPLING_FIELDS)}")
-    for k, neutral in SAMPLING_NEUTRAL.items():
-        if k in sp:
-            _expect(any(sp[k] == v and type(sp[k]) is not bool for v in neutral) or (sp[k] is None and None in neutral)
-                    or (isinstance(sp[k], bool) and sp[k] in neutral and isinstance(neutral[0], bool)),
-                    f"sampling_params.{k}={sp[k]!r}: not supported by this engine (only {neutral[0]!r})")
-    out: dict[str, Any] = {}
-    num = lambda k: _number(sp, k)
-    if "max_new_tokens" in sp:
-        v = sp["max_new_tokens"]
-        _expect(isinstance(v, int) and not isinstance(v, bool) and v >= 1, f"sampling_params.max_new_tokens={v!r}: expected an integer >= 1")
-        out["max_new_tokens"] = v
-    else:
-        out["max_new_tokens"] = 128
-    if "temperature" in sp:
-        _expect(num("temperature") >= 0, f"sampling_params.temperature={sp['temperature']}: expected >= 0")
-        out["temperature"] = float(sp["temperature"])
-    if "top_p" in sp:
-        _expect(0 < num("top_p") <= 1, f"sampling_params.top_p={sp['top_p']}: expected in (0, 1]")
-        out["top_p"] = float(sp["top_p"])
-    if "top_k" in sp:
-        v = sp["top_k"]
-        _expect(isinstance(v, int) and not isinstance(v, bool) and (v == -1 or v >= 0),
-                f"sampling_params.top_k={v!r}: expected -1 (off) or an integer >= 0")
-        out["top_k"] = max(0, v)
-    if "n" in sp:
-        _expect(sp["n"] == 1, "sampling_params.n: only n=1 is supported (send a batch instead)")
-    if "min_p" in sp:
-        _expect(num("min_p") == 0, "sampling_params.min_p: only 0 is supported")
-    seed = sp.get("seed", sp.get("sampling_seed"))
+    m = _valid(schemas.SamplingParams, sp, "sampling_params")
+    out: dict[str, Any] = {"max_new_tokens": m.max_new_tokens, "temperature": m.temperature, "top_p": m.top_p,
+                           "top_k": max(0, m.top_k), "ignore_eos": m.ignore_eos}
+    seed = m.seed if m.seed is not None else m.sampling_seed
     if seed is not None:
-        _expect(isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 2**32,
-                f"sampling_params.seed={seed!r}: expected an integer in [0, 2**32)")
         out["seed"] = seed
-    ids = list(sp.get("stop_token_ids") or [])  # a copy: one sampling_params may be shared by a batch
-    _expect(_is_int_list(ids), "sampling_params.stop_token_ids: expected a list of integers")
-    stops = sp.get("stop") or []
-    stops = [stops] if isinstance(stops, str) else stops
-    _expect(isinstance(stops, list) and all(isinstance(s, str) and s for s in stops), "sampling_params.stop: expected a string or a list of non-empty strings")
+    ids = list(m.stop_token_ids or [])  # a copy: one sampling_params may be shared by a batch
     strings = []
-    for s in stops:  # a one-token stop string stops inside the engine; longer ones are cut after decoding
+    for s in m.stop or []:  # a one-token stop string stops inside the engine; longer ones are cut after decoding
         enc = _encode(tokenizer, s)
         (ids.append(enc[0]) if len(enc) == 1 else strings.append(s))
     out["stop_token_ids"] = tuple(ids)
-    if "ignore_eos" in sp:
-        _expect(isinstance(sp["ignore_eos"], bool), "sampling_params.ignore_eos: expected true or false")
-        out["ignore_eos"] = sp["ignore_eos"]
     out["stop_strings"] = strings
-    for k in ("skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
-        if k in sp:
-            _expect(isinstance(sp[k], bool), f"sampling_params.{k}: expected true or false")
-    out["decode"] = {"skip_special_tokens": sp.get("skip_special_tokens", True),
-                     "spaces_between_special_tokens": sp.get("spaces_between_special_tokens", True)}
-    out["no_stop_trim"] = bool(sp.get("no_stop_trim", False))
-    if sp.get("custom_params") is not None:  # SGLang hands these only to custom logit processors, which we refuse
-        _expect(isinstance(sp["custom_params"], dict), "sampling_params.custom_params: expected an object")
+    out["decode"] = {"skip_special_tokens": m.skip_special_tokens, "spaces_between_special_tokens": m.spaces_between_special_tokens}
+    out["no_stop_trim"] = m.no_stop_trim
     return out
 
 
@@ -311,11 +245,12 @@ class RolloutServer:
         scheme, _, token = (authorization or "").partition(" ")
         return scheme.lower() == "bearer" and hmac.compare_digest(token.encode(), self.api_key.encode())
 
-    def handle(self, method: str, path: str, body: bytes, authorization: str | None = None) -> tuple[int, Any]:
-        path = path.split("?", 1)[0].rstrip("/") or "/"
-        if not self.authorized(path, authorization):
-            return 401, {"error": "Unauthorized"}
-        routes = {
+    def routes(self) -> list[tuple[str, str]]:
+        """(method, path) of every endpoint."""
+        return list(self._routes())
+
+    def _routes(self) -> dict:
+        return {
             ("POST", "/generate"): self.generate,
             ("POST", "/update_weights_from_disk"): self.update_weights_from_disk,
             ("GET", "/flush_cache"): self.flush_cache, ("POST", "/flush_cache"): self.flush_cache,
@@ -328,6 +263,12 @@ class RolloutServer:
             ("POST", "/release_memory_occupation"): self.release_memory_occupation,
             ("POST", "/resume_memory_occupation"): self.resume_memory_occupation,
         }
+
+    def handle(self, method: str, path: str, body: bytes, authorization: str | None = None) -> tuple[int, Any]:
+        path = path.split("?", 1)[0].rstrip("/") or "/"
+        if not self.authorized(path, authorization):
+            return 401, {"error": "Unauthorized"}
+        routes = self._routes()
         fn = routes.get((method, path))
         if fn is None:
             if any(p == path for _, p in routes):
@@ -354,35 +295,29 @@ class RolloutServer:
 
     def generate(self, body: dict):
         _expect(not self.engine.released, "the weights are released (POST /resume_memory_occupation first)")
-        for k, neutral in GENERATE_UNSUPPORTED.items():
-            if k in body and not any(body[k] == v and type(body[k]) is type(v) for v in neutral):
-                _expect(False, f"{k}: not supported by this server ({GENERATE_WHY.get(k, 'the engine cannot do it')})")
-        _expect(not body.get("stream"), "stream: streaming is not supported by this server")
-        _expect(("text" in body) != ("input_ids" in body), "expected exactly one of 'text' and 'input_ids'")
-        if "text" in body:
-            t = body["text"]
-            single = isinstance(t, str)
-            texts = [t] if single else t
-            _expect(isinstance(texts, list) and texts and all(isinstance(x, str) for x in texts), "text: expected a string or a non-empty list of strings")
+        req = _valid(schemas.GenerateRequest, body)
+        _expect((req.text is None) != (req.input_ids is None), "expected exactly one of 'text' and 'input_ids'")
+        if req.text is not None:
+            single = isinstance(req.text, str)
+            texts = [req.text] if single else req.text
+            _expect(len(texts) > 0, "text: expected a string or a non-empty list of strings")
             prompts = [_encode(self.tokenizer, x) for x in texts]
             bos = getattr(self.tokenizer, "bos_id", None)
             if bos is not None:
                 prompts = [[bos] + p for p in prompts]
         else:
-            ids = body["input_ids"]
-            single = _is_int_list(ids)
+            ids = req.input_ids
+            single = len(ids) == 0 or not isinstance(ids[0], list)
             prompts = [ids] if single else ids
-            _expect(isinstance(prompts, list) and prompts and all(_is_int_list(p) for p in prompts),
-                    "input_ids: expected a list of integers or a non-empty list of such lists")
-        starts = self._per_prompt(body, "logprob_start_len", -1, len(prompts))
-        tops = self._per_prompt(body, "top_logprobs_num", 0, len(prompts))
+            _expect(len(prompts) > 0, "input_ids: expected a list of integers or a non-empty list of such lists")
+        starts = self._per_prompt(req.logprob_start_len, "logprob_start_len", -1, len(prompts))
+        tops = self._per_prompt(req.top_logprobs_num, "top_logprobs_num", 0, len(prompts))
         for p, st, tn in zip(prompts, starts, tops):
-            _expect(isinstance(st, int) and not isinstance(st, bool) and -1 <= st < len(p),
-                    f"logprob_start_len={st!r}: expected -1 (the last prompt token) or an integer below the prompt length {len(p)}")
-            _expect(isinstance(tn, int) and not isinstance(tn, bool) and 0 <= tn <= TOP_LOGPROBS_MAX,
-                    f"top_logprobs_num={tn!r}: expected an integer in [0, {TOP_LOGPROBS_MAX}]")
-        want_lp = bool(body.get("return_logprob"))
-        sps = body.get("sampling_params")
+            _expect(-1 <= st < len(p), f"logprob_start_len={st!r}: expected -1 (the last prompt token) or an integer below "
+                                       f"the prompt length {len(p)}")
+            _expect(0 <= tn <= TOP_LOGPROBS_MAX, f"top_logprobs_num={tn!r}: expected an integer in [0, {TOP_LOGPROBS_MAX}]")
+        want_lp = bool(req.return_logprob)
+        sps = req.sampling_params
         sps = sps if isinstance(sps, list) else [sps] * len(prompts)
         _expect(len(sps) == len(prompts), f"sampling_params: {len(sps)} given for {len(prompts)} prompts")
         parsed = [parse_sampling(sp, tokenizer=self.tokenizer, eos_id=self.engine.eos) for sp in sps]
@@ -391,14 +326,13 @@ class RolloutServer:
         for i, (p, sp) in enumerate(zip(prompts, parsed)):
             kw = {k: v for k, v in sp.items() if k not in LOCAL_KEYS}
             kw.setdefault("seed", (base_seed * 7919 + i) % (2**31))
-            reqs.append(Request(prompt=p, return_experts=bool(body.get("return_experts") or body.get("return_routed_experts")),
+            reqs.append(Request(prompt=p, return_experts=req.return_experts or req.return_routed_experts,
                                 top_logprobs=tops[i] if want_lp else 0, prompt_logprobs=want_lp and starts[i] >= 0, **kw))
-        rid = body.get("rid")
+        rid = req.rid
         if isinstance(rid, list):
-            _expect(len(rid) == len(prompts) and all(isinstance(x, str) for x in rid),
-                    f"rid: expected one string per prompt ({len(prompts)})")
+            _expect(len(rid) == len(prompts), f"rid: expected one string per prompt ({len(prompts)})")
         results = self.submit(reqs, rids=rid if isinstance(rid, list) else [rid] * len(reqs))
-        lp_text = bool(body.get("return_text_in_logprobs"))
+        lp_text = req.return_text_in_logprobs
         outs = []
         for i, (r, sp) in enumerate(zip(results, parsed)):
             ids, lps = list(r.output_ids), list(r.logprobs)
@@ -427,7 +361,7 @@ class RolloutServer:
                     if st >= 0:
                         ptop = [None] + [triples(x) for x in r.prompt_top_logprobs]
                         meta["input_top_logprobs"] = ptop[st:]
-            if r.experts is not None and body.get("return_routed_experts"):
+            if r.experts is not None and req.return_routed_experts:
                 meta["routed_experts"] = routed_experts_b64(r.prompt_experts, r.experts[: len(ids)])
             elif r.experts is not None:  # this server's own form: per generated token, [moe_layers][k]
                 meta["routed_experts"] = r.experts[: len(ids)]
@@ -435,9 +369,8 @@ class RolloutServer:
         return outs[0] if single else outs
 
     @staticmethod
-    def _per_prompt(body: dict, key: str, default, n: int) -> list:
+    def _per_prompt(v, key: str, default, n: int) -> list:
         """A field given once for all prompts or as a list of one value a prompt (SGLang's form)."""
-        v = body.get(key, default)
         v = default if v is None else v
         if isinstance(v, list):
             _expect(len(v) == n, f"{key}: {len(v)} values given for {n} prompts")
@@ -447,15 +380,14 @@ class RolloutServer:
     def update_weights_from_disk(self, body: dict):
         """SGLang's request (model_path, load_format, weight_version, abort_all_requests; its other
         fields are ignored) and reply: {success, message, num_paused_requests}, 400 on failure."""
-        path = body.get("model_path")
         try:
-            _expect(isinstance(path, str) and path, "model_path: expected a path string")
-            _expect(body.get("load_format") in (None, "auto"), f"load_format={body.get('load_format')!r}: only 'auto'")
+            req = _valid(schemas.UpdateWeightsRequest, body)
+            path = req.model_path
             real = self.allowed_weights_path(path)
-            if body.get("abort_all_requests"):
+            if req.abort_all_requests:
                 self.abort_request({"abort_all": True})
             try:
-                version = self.bridge.load_from_disk(real, version=body.get("weight_version"))
+                version = self.bridge.load_from_disk(real, version=req.weight_version)
             except Exception as e:  # noqa: BLE001 - missing, corrupt or mismatched: the old weights stay
                 raise BadRequest(f"weight update failed, old weights kept (version {self.engine.version!r}): "
                                  f"{type(e).__name__}: {_redact(str(e), real)}") from e
@@ -468,8 +400,9 @@ class RolloutServer:
     def abort_request(self, body: dict):
         """SGLang's {rid} or {abort_all: true}: queued requests end with finish_reason "abort";
         a batch already on the device finishes."""
-        rid, all_ = body.get("rid"), bool(body.get("abort_all"))
-        _expect(all_ or isinstance(rid, str), "abort_request: expected 'rid' (a string) or 'abort_all': true")
+        req = _valid(schemas.AbortRequest, body)
+        rid, all_ = req.rid, req.abort_all
+        _expect(all_ or rid is not None, "abort_request: expected 'rid' (a string) or 'abort_all': true")
         with self._abort_lock:
             if all_:
                 self._abort_below = next(self._seq)
@@ -489,17 +422,13 @@ class RolloutServer:
 
     @staticmethod
     def _memory_tags(body):
-        tags = body.get("tags")
-        _expect(tags is None or (isinstance(tags, list) and all(isinstance(t, str) for t in tags)),
-                f"tags={tags!r}: expected null or a list of strings")
-        return tags
+        return _valid(schemas.MemoryRequest, body).tags
 
     def pause_generation(self, body=None):
         """Queued requests wait until /continue_generation; a batch on the device finishes.
         SGLang's ``mode``: "abort" also ends every queued request (finish_reason "abort");
         "in_place" and "retract" (SGLang's default) only pause here."""
-        mode = (body or {}).get("mode", "retract")
-        _expect(mode in ("abort", "retract", "in_place"), f"mode={mode!r}: expected 'abort', 'retract' or 'in_place'")
+        mode = _valid(schemas.PauseRequest, body or {}).mode
         self._running.clear()
         if mode == "abort":
             self.abort_request({"abort_all": True})
@@ -567,59 +496,84 @@ def _redact(message: str, path: str) -> str:
     return line[:300]
 
 
-def _handler(server: RolloutServer, socket_timeout: float):
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-        timeout = socket_timeout  # an idle or stalled client frees its thread
+def make_app(server: RolloutServer, *, socket_timeout: float = SOCKET_TIMEOUT_S):
+    """The FastAPI application of ``server``, as SGLang serves its API: SGLang's routes (and a
+    catch-all, so unknown paths get this API's 404 / 405), each request handed to
+    ``RolloutServer.handle`` on a worker thread. Bodies over MAX_BODY are refused (413) before
+    they are read; a client that stops sending its body for ``socket_timeout`` seconds gets
+    408 and is disconnected."""
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
 
-        def _reply(self, code: int, payload):
-            text = isinstance(payload, str)
-            data = payload.encode() if text else json.dumps(payload).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "text/plain; charset=utf-8" if text else "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-        def _serve(self, method):
-            raw = self.headers.get("Content-Length")
-            if raw is None and method == "POST" and self.headers.get("Transfer-Encoding"):
-                self.close_connection = True
-                return self._reply(411, {"error": {"message": "Content-Length required (chunked bodies are not accepted)", "code": 411}})
-            try:
-                n = int(raw or 0)
-                if n < 0:
-                    raise ValueError
-            except ValueError:
-                self.close_connection = True
-                return self._reply(400, {"error": {"message": f"Content-Length={raw!r}: expected a non-negative integer", "code": 400}})
-            if n > MAX_BODY:
-                self.close_connection = True
-                return self._reply(413, {"error": {"message": f"body of {n} bytes exceeds {MAX_BODY}", "code": 413}})
-            body = self.rfile.read(n) if n else b""
-            code, payload = server.handle(method, self.path, body, self.headers.get("Authorization"))
-            self._reply(code, payload)
+    # Plain threads, not anyio's worker threads (orbax's restore fails inside those): a request
+    # holds one until its batch is done, so there are as many as the listen backlog.
+    pool = ThreadPoolExecutor(max_workers=LISTEN_BACKLOG, thread_name_prefix="quads-http")
+    app = FastAPI(title="quads-jax rollout server (SGLang's native API)", on_shutdown=[lambda: pool.shutdown(wait=False)])
+    closing = {"Connection": "close"}
 
-        def do_GET(self):
-            self._serve("GET")
+    async def dispatch(request: Request):
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > MAX_BODY:
+            return JSONResponse({"error": {"message": f"body of {size} bytes exceeds {MAX_BODY}", "code": 413}}, 413,
+                                headers=closing)
+        try:
+            body = await asyncio.wait_for(request.body(), socket_timeout)
+        except asyncio.TimeoutError:
+            return Response(status_code=408, headers=closing)
+        if len(body) > MAX_BODY:  # a chunked body without a length
+            return JSONResponse({"error": {"message": f"body exceeds {MAX_BODY} bytes", "code": 413}}, 413, headers=closing)
+        code, payload = await asyncio.get_running_loop().run_in_executor(
+            pool, server.handle, request.method, request.url.path, body, request.headers.get("authorization"))
+        if isinstance(payload, str):
+            return PlainTextResponse(payload, code)
+        return JSONResponse(payload, code)
 
-        def do_POST(self):
-            self._serve("POST")
-
-        def log_message(self, fmt, *args):  # quiet by default; errors are in the replies
-            pass
-
-    return Handler
+    dispatch.__annotations__ = {"request": Request}  # resolved here: this module postpones annotations
+    for method, path in server.routes():
+        app.add_api_route(path, dispatch, methods=[method], name=f"{method} {path}", include_in_schema=True)
+    app.add_api_route("/{rest:path}", dispatch, methods=["GET", "POST", "PUT", "DELETE", "PATCH"], include_in_schema=False)
+    return app
 
 
-class _HTTPServer(ThreadingHTTPServer):
-    request_queue_size = LISTEN_BACKLOG  # the listen backlog (the standard library's default is 5)
-    daemon_threads = True
+class HTTPServer:
+    """uvicorn serving ``make_app(server)`` on a socket bound at construction (port 0: any free
+    port, read back from ``server_address``); ``serve_forever`` blocks (run it on a thread),
+    ``shutdown`` stops it and waits. The listen backlog is LISTEN_BACKLOG; idle keep-alive
+    connections are closed after ``socket_timeout``."""
+
+    def __init__(self, server: RolloutServer, host: str, port: int, *, socket_timeout: float = SOCKET_TIMEOUT_S):
+        import socket
+
+        import uvicorn
+
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._sock = socket.create_server((host, port), family=family, backlog=LISTEN_BACKLOG)
+        self.server_address = self._sock.getsockname()[:2]
+        config = uvicorn.Config(make_app(server, socket_timeout=socket_timeout), log_level="warning",
+                                timeout_keep_alive=socket_timeout, backlog=LISTEN_BACKLOG)
+        self._uvicorn = uvicorn.Server(config)
+        self._done = threading.Event()
+
+    def serve_forever(self):
+        try:
+            self._uvicorn.run(sockets=[self._sock])
+        finally:
+            self._done.set()
+
+    def shutdown(self, timeout: float = 10.0):
+        self._uvicorn.should_exit = True
+        self._done.wait(timeout)
+
+    def server_close(self):
+        self._sock.close()
 
 
 def make_http_server(server: RolloutServer, host: str = "127.0.0.1", port: int = 30000, *,
-                     socket_timeout: float = SOCKET_TIMEOUT_S) -> ThreadingHTTPServer:
-    return _HTTPServer((host, port), _handler(server, socket_timeout))
+                     socket_timeout: float = SOCKET_TIMEOUT_S) -> HTTPServer:
+    return HTTPServer(server, host, port, socket_timeout=socket_timeout)
 
 
 def job_model(config_path: str, overrides: dict | None = None):
