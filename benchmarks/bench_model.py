@@ -25,14 +25,12 @@ BIG = dict(vocab_size=32000, d_model=1024, n_layers=8, n_heads=16, n_kv_heads=4,
 
 
 def timed(fn, *args, n=5):
+    """Median wall seconds of ``fn(*args)`` after a compiling call (bench_train.median_s)."""
     import jax
+
+    from benchmarks.bench_train import median_s
     jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts))
+    return median_s(fn, *args, n=n)
 
 
 def fwd_bwd(cfg, batch, seq):
