@@ -9,7 +9,7 @@ argument), never process state.
 """
 
 from pallas_kernels.attention import attention_xla, causal_attention, causal_attention_xla
-from pallas_kernels.decode_attention import DecodeAttentionConfig, decode_attention, decode_attention_xla
+from pallas_kernels.cache_attention import DecodeAttentionConfig, decode_attention, decode_attention_xla
 from pallas_kernels.config import BACKENDS, DwTiles, GroupedTiles, KernelConfig, Tiles
 from pallas_kernels.grouped_weight_grad import grouped_dw, grouped_dw_xla
 from pallas_kernels.float_grouped import ExpertsKN, grouped_dot, grouped_dot_kn, grouped_dot_xla

@@ -17,7 +17,7 @@ Fields (each validated here, with a one-line error naming the field):
                Mosaic GPU flash attention and its VJP), "xla" (the reference: the full score
                tensor), or "auto" (cudnn on a GPU, xla elsewhere).
     decode_attention  attention of one new token per row over a KV cache (the rollout's decode
-               steps): "pallas" (``pallas_kernels.decode_attention``: reads only each row's
+               steps): "pallas" (``pallas_kernels.cache_attention``: reads only each row's
                live keys), "xla" (the reference: scores over the whole cache, masked), or
                "auto" (pallas on a GPU, xla elsewhere).
     grouped_tiles  the tiles of the three expert GEMMs, ``GroupedTiles(fwd, dx, dw)``: each a

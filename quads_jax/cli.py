@@ -43,9 +43,9 @@ def _table(rows: list[dict], cols: list[str]) -> str:
 
 
 SUMMARY_COLS = ["recipe", "pass_at_1_first", "pass_at_1_last", "pass_at_1_bf16_first", "pass_at_1_bf16_last",
-                "reward_first", "reward_last", "gap_max_peak", "gap_mean_avg", "k3_kl_avg", "tokens_per_s"]
+                "pass_at_1_bf16_rise_se", "reward_first", "reward_last", "gap_max_peak", "gap_mean_avg", "k3_kl_avg", "tokens_per_s"]
 LEGEND = ("pass_at_1: held-out greedy pass@1 through the recipe's rollout engine; pass_at_1_bf16: the same weights decoded "
-          "in BF16.\nreward_first/last: mean training reward over the first / last quarter of the steps; gap: |logp_rollout - "
+          "in BF16; rise_se: the standard error of its rise, paired over the same held-out problems.\nreward_first/last: mean training reward over the first / last quarter of the steps; gap: |logp_rollout - "
           "logp_trainer| per response token (peak of the max, mean of the mean); k3_kl: KL(rollout || trainer).")
 
 
@@ -122,7 +122,11 @@ def cmd_compare(a):
 def story(rows: list[dict]) -> str:
     """Two sentences on what a comparison's numbers say, from the numbers themselves."""
     by = {r["recipe"]: r for r in rows}
-    parts = [f"{r}: {by[r]['pass_at_1_bf16_first']:.2f} -> {by[r]['pass_at_1_bf16_last']:.2f}" for r in by]
+    def rise(r):
+        d, se = by[r]["pass_at_1_bf16_last"] - by[r]["pass_at_1_bf16_first"], by[r].get("pass_at_1_bf16_rise_se", float("nan"))
+        return f" ({d / se:+.1f} paired SE)" if se and se == se and se > 0 else ""
+
+    parts = [f"{r}: {by[r]['pass_at_1_bf16_first']:.2f} -> {by[r]['pass_at_1_bf16_last']:.2f}{rise(r)}" for r in by]
     s1 = "Held-out pass@1 of the trained policy (BF16 decoding), from the shared SFT base to the last step: " + "; ".join(parts) + "."
     if "bf16" in by and len(by) > 1:
         ref = by["bf16"]["gap_mean_avg"]

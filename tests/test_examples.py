@@ -8,6 +8,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow  # 15-25 s on 2 cores; the default suite stays near 15 minutes
 def test_pjit_example_runs_and_learns(tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
     p = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "pjit_sft.py"), "--steps", "12", "--out", str(tmp_path / "ck")],

@@ -479,7 +479,7 @@ def test_rac_selection_rank_and_bisection_equal_xla_with_ties(rng, select):
         assert (codes[0] != 0).any(axis=1).sum() == rac.num_selected(rho, 32)  # no ties: exactly the fraction
 
 
-@pytest.mark.parametrize("kw", [{"rac_ratio": 0.5, "act_scale": "token"}, {"mode": "w4a16"}])
+@pytest.mark.parametrize("kw", [pytest.param({"rac_ratio": 0.5, "act_scale": "token"}, marks=pytest.mark.slow), {"mode": "w4a16"}])
 def test_weights_sharing_an_input_one_launch_equal_separate_products(rng, kw):
     """q/k/v and gate/up: one launch over several weights equals each product alone (XLA)."""
     x = jnp.asarray(heavy(rng, (19, 128))).astype(jnp.bfloat16)

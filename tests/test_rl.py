@@ -357,6 +357,7 @@ def test_routing_replay_aligns_the_engines_experts_with_the_trainer(params):
         D.rl_batch(prompts, [r.output_ids for r in res], [r.logprobs for r in res], 16, experts=[res[0].experts[:2], res[1].experts])
 
 
+@pytest.mark.slow  # 15-25 s on 2 cores; the default suite stays near 15 minutes
 def test_grpo_with_kl_reference_and_routing_replay(tmp_path):
     from quads_jax.metrics import read_csv
     from quads_jax.rl import loop

@@ -60,6 +60,7 @@ def test_torch_activation_codes_equal_jax_quantizer():
     assert N.round_e2m1(a).tolist() == [0.0, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0]
 
 
+@pytest.mark.slow  # 15-25 s on 2 cores; the default suite stays near 15 minutes
 def test_torch_grouped_and_moe_equal_jax_with_empty_experts():
     from quads_jax.model.moe import moe_ffn
 

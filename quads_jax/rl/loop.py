@@ -38,7 +38,7 @@ from rollout.engine import Engine, Request
 # recipe -> (trainer precision policy, rollout recipe). The paper's RL comparison.
 RECIPES = P.RECIPES  # (trainer policy, rollout recipe) by job recipe name
 
-RL_COLUMNS = ["step", "reward_mean", "pass_at_1", "pass_at_1_bf16", "gap_max", "gap_mean", "k3_kl", "entropy", "response_len",
+RL_COLUMNS = ["step", "reward_mean", "pass_at_1", "pass_at_1_bf16", "pass_at_1_bf16_rise_se", "gap_max", "gap_mean", "k3_kl", "entropy", "response_len",
               "clip_frac", "grad_norm", "loss", "skipped", "kl_ref", "tokens_per_s", "weight_sync_s", "rollout_s", "train_s"]
 
 
@@ -182,12 +182,23 @@ def prompt_of(tok, task, problem) -> list[int]:
 # ----------------------------------------------------------------------------- pieces
 
 
-def evaluate(engine: Engine, task, tok, problems, max_new_tokens: int) -> float:
-    """Held-out pass@1 with greedy decoding."""
+def evaluate_each(engine: Engine, task, tok, problems, max_new_tokens: int) -> np.ndarray:
+    """Each held-out problem's reward under greedy decoding (pass@1 is their mean)."""
     reqs = [Request(prompt=prompt_of(tok, task, p), max_new_tokens=max_new_tokens, temperature=0.0, seed=i)
             for i, p in enumerate(problems)]
     res = engine.generate(reqs)
-    return float(np.mean([task.reward(p, tok.decode(r.output_ids)) for p, r in zip(problems, res)]))
+    return np.asarray([task.reward(p, tok.decode(r.output_ids)) for p, r in zip(problems, res)], np.float64)
+
+
+def evaluate(engine: Engine, task, tok, problems, max_new_tokens: int) -> float:
+    """Held-out pass@1 with greedy decoding."""
+    return float(np.mean(evaluate_each(engine, task, tok, problems, max_new_tokens)))
+
+
+def paired_se(before: np.ndarray, after: np.ndarray) -> float:
+    """The standard error of mean(after) - mean(before) on the same problems (paired)."""
+    d = np.asarray(after, np.float64) - np.asarray(before, np.float64)
+    return float(np.std(d, ddof=1) / np.sqrt(len(d))) if len(d) > 1 else float("nan")
 
 
 def run_sft(cfg: JobConfig, out_dir: str, *, log=print):
@@ -301,6 +312,7 @@ def run_grpo(cfg: JobConfig, graphdef, params, mcfg, out_dir: str, *, log=print,
     scorer = RewardPool(lambda text, j: task.reward(step_probs[j], text), workers=rl.reward_workers)
     bar = tqdm(range(rl.steps + 1), desc=f"grpo[{rl.recipe}]", dynamic_ncols=True, mininterval=1.0)
     history = []
+    first_bf16 = None  # each held-out problem's BF16-decoding reward at step 0: the paired baseline
     for i in bar:
         t0 = time.perf_counter()
         engine.load(state.params, version=i)  # weight sync (the engine / server quantizes once per sync)
@@ -310,7 +322,11 @@ def run_grpo(cfg: JobConfig, graphdef, params, mcfg, out_dir: str, *, log=print,
             row["pass_at_1"] = evaluate(engine, task, tok, test, rl.max_new_tokens)
             if bf16_eval is not engine:
                 bf16_eval.load(state.params, version=i)
-            row["pass_at_1_bf16"] = evaluate(bf16_eval, task, tok, test, rl.max_new_tokens)
+            each = evaluate_each(bf16_eval, task, tok, test, rl.max_new_tokens)
+            row["pass_at_1_bf16"] = float(np.mean(each))
+            first_bf16 = each if first_bf16 is None else first_bf16
+            if i > 0:
+                row["pass_at_1_bf16_rise_se"] = paired_se(first_bf16, each)
         if i == rl.steps:  # the final evaluation row
             writer.write(i, row)
             history.append({"step": i, **row})
@@ -387,6 +403,8 @@ def summarize(history: list[dict]) -> dict:
         "pass_at_1_last": evals[-1] if evals else float("nan"),
         "pass_at_1_bf16_first": bf16[0] if bf16 else float("nan"),
         "pass_at_1_bf16_last": bf16[-1] if bf16 else float("nan"),
+        "pass_at_1_bf16_rise_se": next((h["pass_at_1_bf16_rise_se"] for h in reversed(history) if "pass_at_1_bf16_rise_se" in h),
+                                       float("nan")),
         "gap_max_peak": max((h["gap_max"] for h in rows), default=float("nan")),
         "gap_mean_avg": float(np.mean([h["gap_mean"] for h in rows])) if rows else float("nan"),
         "k3_kl_avg": float(np.mean([h["k3_kl"] for h in rows])) if rows else float("nan"),
