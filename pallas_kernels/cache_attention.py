@@ -26,6 +26,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.config import interpret_mode
+from pallas_kernels.tiling import device_sms
 
 _MIN_ROWS = 16  # the smallest MMA operand: the G query heads of a KV head are padded to it
 _NEG = -1e30
@@ -47,8 +48,10 @@ class DecodeAttentionConfig:
             raise ValueError(f"decode attention splits={self.splits!r}: expected None or an integer >= 1")
 
 
-def splits_for(batch: int, kv_heads: int, programs: int = 256, most: int = 8) -> int:
-    """Splits that give about ``programs`` programs (two waves on a 132-SM H100), at most ``most``."""
+def splits_for(batch: int, kv_heads: int, programs: int | None = None, most: int = 8) -> int:
+    """Splits that give about ``programs`` programs (default: two waves of the device's SMs),
+    at most ``most``."""
+    programs = programs or 2 * device_sms()
     return max(1, min(most, -(-programs // max(1, batch * kv_heads))))
 
 

@@ -35,6 +35,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from quads_jax import nvfp4
 from pallas_kernels.config import interpret_mode, resolve_backend
+from pallas_kernels.tiling import device_sms
 from pallas_kernels import rac
 from pallas_kernels.tile_math import kernel_arith, load_even_odd, operand_columns
 
@@ -81,11 +82,12 @@ SELECTS = ("auto", "rank", "bisect")
 MIN_PART = 256  # channels a program owns at the least (one 16-block of RAC selection work a warp)
 
 
-def quant_config(t: int, k: int, num_sms: int = 132, split: bool = True) -> QuantConfig:
+def quant_config(t: int, k: int, num_sms: int | None = None, split: bool = True) -> QuantConfig:
     """Decode sizes (few tokens) split each row over ``parts`` programs until about one wave
     runs (T=16: 8 parts, T=64: 2); prefill sizes take one program per row (or two rows).
     ``split=False``: one program per row at any size (the layout before the split, which the
     benchmarks keep as a baseline)."""
+    num_sms = num_sms or device_sms()
     block_rows = 1 if t < 1024 else 2
     programs = -(-t // block_rows)
     parts = 1
