@@ -403,29 +403,7 @@ def quantize_blocks(xb, amax16, gs, *, block_max=E2M1_MAX, key=None, arith: Arit
     return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(q, jnp.int32) | sign, jnp.float32), s
 
 
-def quantize(
-    x,
-    *,
-    global_scale=None,
-    axis: int = -1,
-    rounding: str = "rne",
-    key=None,
-    block_shape: Sequence[int] = (1, 16),
-    keep_axes: Sequence[int] = (),
-    four_over_six: bool = False,
-) -> NVFP4Tensor:
-    """Quantize ``x`` to NVFP4 along ``axis``.
-
-    global_scale:  float32 scalar or keepdims array; default ``global_scale_for(x)``.
-    rounding:      "rne" (round to nearest even) or "stochastic" (needs ``key``); only the
-                   elements are rounded stochastically, scales always RNE.
-    block_shape:   (1, 16), or (16, 16) for 2D weight blocks: 16 rows of the other of the
-                   last two axes share one scale, so the dequantized tensor is the same
-                   whichever of the two axes is quantized (and reduced in a matmul).
-    keep_axes:     axes with separate dynamic global scales (per expert, per token).
-    four_over_six: per block, map the block max to 6 or to 4, whichever gives the lower
-                   squared error; the dynamic global scale then uses 256 instead of 448.
-    """
+def _check_quantize_args(x, axis, rounding, key, block_shape):
     x, axis, block_shape = _check_input(x, axis, block_shape)
     if rounding not in ROUNDINGS:
         raise ValueError(f"rounding={rounding!r}: expected one of {ROUNDINGS}")
@@ -437,6 +415,14 @@ def quantize(
             )
     elif key is not None:
         raise ValueError("key: only used with rounding='stochastic'; got rounding='rne'")
+    return x, axis, block_shape
+
+
+def _grid_values(x, global_scale, axis, key, block_shape, keep_axes, four_over_six):
+    """The recipe up to the grid: (E2M1 values [..., K/16, 16] float32, block scales
+    [..., K/16] on the E4M3 grid, the global scale, that scale moved like the blocks, lead
+    shape, K) with ``axis`` moved last. ``quantize`` encodes these; the fake quant multiplies
+    them back (the same numbers as dequantize(quantize(x)), without the codes)."""
     scale_max = 256.0 if four_over_six else E4M3_MAX
     xf = x.astype(jnp.float32)
     if global_scale is None:
@@ -473,6 +459,34 @@ def quantize(
         use4 = err4 < err6
         q = jnp.where(use4[..., None], q4, q)
         s = jnp.where(use4, s4, s)
+    return q, s, gs, gsb, lead, k
+
+
+def quantize(
+    x,
+    *,
+    global_scale=None,
+    axis: int = -1,
+    rounding: str = "rne",
+    key=None,
+    block_shape: Sequence[int] = (1, 16),
+    keep_axes: Sequence[int] = (),
+    four_over_six: bool = False,
+) -> NVFP4Tensor:
+    """Quantize ``x`` to NVFP4 along ``axis``.
+
+    global_scale:  float32 scalar or keepdims array; default ``global_scale_for(x)``.
+    rounding:      "rne" (round to nearest even) or "stochastic" (needs ``key``); only the
+                   elements are rounded stochastically, scales always RNE.
+    block_shape:   (1, 16), or (16, 16) for 2D weight blocks: 16 rows of the other of the
+                   last two axes share one scale, so the dequantized tensor is the same
+                   whichever of the two axes is quantized (and reduced in a matmul).
+    keep_axes:     axes with separate dynamic global scales (per expert, per token).
+    four_over_six: per block, map the block max to 6 or to 4, whichever gives the lower
+                   squared error; the dynamic global scale then uses 256 instead of 448.
+    """
+    x, axis, block_shape = _check_quantize_args(x, axis, rounding, key, block_shape)
+    q, s, gs, gsb, lead, k = _grid_values(x, global_scale, axis, key, block_shape, keep_axes, four_over_six)
     codes = encode_e2m1(q.reshape(*lead, k))
     codes = jnp.moveaxis(pack_codes(codes, -1), -1, axis)
     scales = jnp.moveaxis(s, -1, axis).astype(jnp.float8_e4m3fn)
@@ -543,10 +557,18 @@ def fake_quant(x, **kwargs):
 
 
 def _fq_forward(x, kw):
+    """dequantize(quantize(x)) computed from the grid values directly (no codes packed and
+    unpacked: fewer passes over a weight each QAT step), bit for bit the same numbers."""
     kw = dict(kw)
-    t = quantize(x, **kw)
-    y = dequantize(t, jnp.float32)
-    limit = E2M1_MAX * (256.0 if kw.get("four_over_six") else E4M3_MAX) * t.global_scale
+    unknown = set(kw) - {"global_scale", "axis", "rounding", "key", "block_shape", "keep_axes", "four_over_six"}
+    if unknown:
+        raise TypeError(f"fake_quant: unexpected arguments {sorted(unknown)}")
+    xc, axis, block_shape = _check_quantize_args(x, kw.get("axis", -1), kw.get("rounding", "rne"), kw.get("key"),
+                                                 kw.get("block_shape", (1, 16)))
+    q, s, gs, gsb, lead, k = _grid_values(xc, kw.get("global_scale"), axis, kw.get("key"), block_shape,
+                                          kw.get("keep_axes", ()), kw.get("four_over_six", False))
+    y = jnp.moveaxis((q * s[..., None]).reshape(*lead, k), -1, axis) * gs  # block values exact in FP32, as dequantize
+    limit = E2M1_MAX * (256.0 if kw.get("four_over_six") else E4M3_MAX) * gs
     inside = jnp.abs(x.astype(jnp.float32)) <= limit
     return y.astype(x.dtype), inside
 

@@ -179,6 +179,31 @@ def test_fake_quant_ste_gradient():
     np.testing.assert_array_equal(np.asarray(F.fake_quant(x)), np.asarray(F.dequantize(F.quantize(x))))
 
 
+@pytest.mark.parametrize("kw", [dict(), dict(axis=1), dict(keep_axes=(0,)), dict(block_shape=(16, 16)),
+                                dict(block_shape=(16, 16), axis=-2), dict(four_over_six=True), dict(global_scale=1e-3),
+                                dict(axis=-1, keep_axes=(0,), global_scale=None)])
+def test_fake_quant_is_dequantize_of_quantize_bit_for_bit(kw):
+    """The fake quant computes the grid values directly (no codes): the same bits as
+    dequantize(quantize(x)), signed zeros, NaN / inf blocks, subnormal scales and saturation
+    included, in FP32 and BF16, jitted."""
+    rng = np.random.default_rng()
+    x = (rng.standard_normal((3, 32, 48)) * np.exp(2 * rng.standard_normal((3, 32, 1)))).astype(np.float32)
+    x[0, 0, :16] = -1e-30  # a block of tiny negatives: -0 codes, the smallest scale
+    x[0, 1, 16:32] = 0.0
+    x[1, 2, 3] = np.nan
+    x[2, 5, 40] = np.inf
+    x[2, 7, :] *= 1e4  # saturates against a fixed global scale
+    for dt in (jnp.float32, jnp.bfloat16):
+        xj = jnp.asarray(x).astype(dt)
+        want = F.dequantize(F.quantize(xj, **kw), jnp.float32).astype(dt)
+        got = jax.jit(lambda v: F.fake_quant(v, **kw))(xj)
+        assert got.dtype == dt
+        np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)).view(np.uint32),
+                                      np.asarray(want.astype(jnp.float32)).view(np.uint32))
+    with pytest.raises(TypeError, match="unexpected"):
+        F.fake_quant(jnp.ones((16,)), scale=2)
+
+
 def test_stochastic_rounding_unbiased():
     x = jnp.full((4096, 16), 0.0, jnp.float32).at[:, 0].set(6.0).at[:, 1:].set(2.6)
     gs = jnp.float32(2.0**-8)  # block scale (6 / 6) / gs = 256 exactly -> scaled values = x
