@@ -189,9 +189,12 @@ def cmd_export(a):
     print(f"[quads export] wrote {out}")
 
 
-def checkpoint_dir(path: str) -> str:
+def checkpoint_dir(path: str, flag: str = "--checkpoint") -> str:
     """A checkpoint given as a run directory: its RL policy (checkpoints/), else its SFT base
-    (base/); any other directory as it is."""
+    (base/); any other directory as it is. A missing one is an error naming ``flag``."""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{flag} {path}: no such directory (expected a run directory, an orbax checkpoint "
+                                "or a Hugging Face directory)")
     for sub in ("checkpoints", "base"):
         if os.path.isdir(os.path.join(path, sub)):
             return os.path.join(path, sub)

@@ -28,7 +28,10 @@ def test_checkpoint_dir_takes_a_run_directory(tmp_path):
     (tmp_path / "sft" / "base").mkdir(parents=True)
     assert cli.checkpoint_dir(str(tmp_path / "run")) == str(tmp_path / "run" / "checkpoints")
     assert cli.checkpoint_dir(str(tmp_path / "sft")) == str(tmp_path / "sft" / "base")
+    (tmp_path / "other").mkdir()
     assert cli.checkpoint_dir(str(tmp_path / "other")) == str(tmp_path / "other")
+    with pytest.raises(FileNotFoundError, match="--checkpoint .*nothing: no such directory"):
+        cli.checkpoint_dir(str(tmp_path / "nothing"))
 
 
 def test_user_errors_are_one_line_and_paths_resolve_from_anywhere(tmp_path):
@@ -37,7 +40,7 @@ def test_user_errors_are_one_line_and_paths_resolve_from_anywhere(tmp_path):
                                        capture_output=True, text=True, timeout=300)
     p = run("export", "--checkpoint", str(tmp_path / "nothing"), "--out", str(tmp_path / "x"))
     assert p.returncode == 2 and "Traceback" not in p.stderr
-    assert p.stderr.strip().startswith("quads export: error:") and len(p.stderr.strip().splitlines()) == 1
+    assert p.stderr.strip().startswith("quads export: error: --checkpoint") and len(p.stderr.strip().splitlines()) == 1
     p = run("train", "--set", "rl.recipe=nvfp4")  # the default config, found from another directory
     assert p.returncode == 2 and "rl.recipe='nvfp4'" in p.stderr and "Traceback" not in p.stderr
     p = run("--debug", "train", "--set", "rl.recipe=nvfp4")
