@@ -233,7 +233,7 @@ def test_grpo_run_raises_reward(tmp_path):
     assert np.mean(r[-3:]) > np.mean(r[:3]) + 0.15, r
     s = loop.summarize(hist)
     assert s["steps"] == 12 and s["gap_max_peak"] > 0
-    assert (tmp_path / "run" / "metrics.csv").read_text().splitlines()[0].startswith("step,reward_mean,pass_at_1,pass_at_1_bf16,gap_max")
+    assert (tmp_path / "run" / "metrics.csv").read_text().splitlines()[0].startswith("step,reward_mean,pass_at_1,pass_at_1_bf16,pass_at_1_bf16_rise_se,gap_max")
 
 
 @pytest.mark.slow  # a minute or more on 2 cores (CI): ./test.sh -m slow
