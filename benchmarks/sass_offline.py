@@ -172,13 +172,34 @@ def compile_ttir(triton_python, ttir, path, num_warps, num_stages):
     return None, int(res.group(1)) if res else None, int(res.group(2)) if res else None, open(path + ".sass").read()
 
 
-def quant_main(a, captured, tmp):
+def decode_attention_cases():
+    """(name, lower(), DecodeAttentionConfig) of the live-KV decode attention at the bench
+    model's heads (16 query heads, 4 KV heads, head_dim 64) and rollout batches."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels import cache_attention as CA
+
+    out = []
+    for b, s, splits, bk in ((64, 576, 1, 64), (256, 576, 1, 64), (16, 2048, 4, 64), (256, 576, 1, 32)):
+        cfg = CA.DecodeAttentionConfig(block_k=bk, splits=splits)
+        q = jax.ShapeDtypeStruct((b, 16, 64), jnp.bfloat16)
+        kv = jax.ShapeDtypeStruct((b, s, 4, 64), jnp.bfloat16)
+        lengths = jax.ShapeDtypeStruct((b,), jnp.int32)
+        f = lambda q, k, v, n, cfg=cfg: CA._call(q, k, v, n, config=cfg, interpret=False)
+        out.append((f"B{b}_S{s}_splits{splits}_bk{bk}",
+                    lambda f=f, q=q, kv=kv, n=lengths: jax.jit(f).trace(q, kv, kv, n).lower(lowering_platforms=("cuda",)), cfg))
+    return out
+
+
+def quant_main(a, captured, tmp, cases=None, stem="sass_offline_quant"):
     """Whole-kernel instruction counts of the quantizer (it has no main loop: its chunks and
-    rank counts are unrolled, so the static count is about each thread's serial work)."""
+    rank counts are unrolled, so the static count is about each thread's serial work), or of
+    another kernel's ``cases``."""
     import jax
 
     rows = []
-    for i, (name, lower, cfg) in enumerate(quant_cases()):
+    for i, (name, lower, cfg) in enumerate(cases or quant_cases()):
         jax.clear_caches()
         lower()
         err, regs, stack, sass = compile_ttir(a.triton_python, captured[-1], os.path.join(tmp, f"q{i}.ttir"), cfg.num_warps, cfg.num_stages)
@@ -193,13 +214,13 @@ def quant_main(a, captured, tmp):
         print(json.dumps({k: v for k, v in row.items() if k not in ("config", "opcodes")}), flush=True)
     if a.out:
         os.makedirs(a.out, exist_ok=True)
-        json.dump(rows, open(os.path.join(a.out, "sass_offline_quant.json"), "w"), indent=1)
+        json.dump(rows, open(os.path.join(a.out, f"{stem}.json"), "w"), indent=1)
         lines = ["| kernel | registers | instructions a thread (whole kernel) | warp instructions a scheduler | barriers | shuffles | spill ops |",
                  "|---|---|---|---|---|---|---|"]
         lines += [f"| {r['kernel']} | {r.get('registers')} | {r.get('instructions')} | "
                   f"{r['instructions'] * max(1, r['config']['num_warps'] // 4) if r.get('instructions') else None} | "
                   f"{r.get('barriers')} | {r.get('shuffles')} | {r.get('spill_ops')} |" for r in rows]
-        open(os.path.join(a.out, "sass_offline_quant.md"), "w").write("\n".join(lines) + "\n")
+        open(os.path.join(a.out, f"{stem}.md"), "w").write("\n".join(lines) + "\n")
 
 
 def main():
@@ -208,7 +229,8 @@ def main():
     ap.add_argument("--out", default=None, help="write sass_offline.json and .md here")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                     help="GemmConfig fields to override in every case, e.g. --set decode=words")
-    ap.add_argument("--kernels", default="gemm", choices=("gemm", "quant"), help="the GEMMs' main loops, or the activation quantizer")
+    ap.add_argument("--kernels", default="gemm", choices=("gemm", "quant", "decode_attention"),
+                    help="the GEMMs' main loops, the activation quantizer, or the live-KV decode attention")
     a = ap.parse_args()
     captured = capture_ttir()
     import jax
@@ -216,6 +238,8 @@ def main():
     tmp = tempfile.mkdtemp()
     if a.kernels == "quant":
         return quant_main(a, captured, tmp)
+    if a.kernels == "decode_attention":
+        return quant_main(a, captured, tmp, decode_attention_cases(), "sass_offline_decode_attention")
     rows = []
     override = {}
     for kv in a.set:
