@@ -146,7 +146,6 @@ def numerics():
     import ml_dtypes
 
     from quads_jax import nvfp4 as F
-    from pallas_kernels import nvfp4_grouped_matmul, nvfp4_matmul, quantize_activations_rac
 
     out = {}
     rng = np.random.default_rng(0)

@@ -36,7 +36,6 @@ once per row tile, and the dense dot's MMA pipeline is far faster than decode + 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax

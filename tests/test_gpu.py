@@ -2,7 +2,6 @@
 compiled kernels against their XLA references, on fresh random data, within the tolerance of
 their operand precision (BF16 operands: relative error between 1e-3 and 1e-2 of the norm)."""
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +10,6 @@ import pytest
 from flax import nnx
 
 import pallas_kernels as pk
-from quads_jax import nvfp4
 from quads_jax import precision as P
 from quads_jax.model import ModelConfig, Transformer, token_logprobs
 

@@ -23,7 +23,6 @@ from quads_jax.rl.tasks import Problem
 from quads_jax.rl.tokenizer import CharTokenizer
 from quads_jax.train.checkpoint import Checkpointer, CorruptCheckpoint
 from quads_jax.train.state import init_state, split_params
-from rollout import bridge
 from rollout.engine import Engine, Request
 from rollout.server import RolloutServer, make_http_server
 

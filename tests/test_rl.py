@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from quads_jax import precision as P
 from quads_jax.model import ModelConfig, Transformer, token_logprobs
 from quads_jax.rl import grpo as G
 from quads_jax.rl.tasks import get_task

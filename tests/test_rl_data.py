@@ -3,7 +3,6 @@ Face tokenizers with chat templates (a tokenizer trained inside the test; nothin
 
 import json
 
-import numpy as np
 import pytest
 
 from quads_jax.rl.prompts import DatasetTask, PromptData, load_problems

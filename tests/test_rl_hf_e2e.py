@@ -63,7 +63,6 @@ rl: {{recipe: quads, steps: 2, prompts_per_step: 2, max_new_tokens: 8, eval_ever
     ids = np.asarray([[1, 5, 9, 12, 3]])
     with torch.no_grad():
         want = m2(torch.tensor(ids)).logits.float().numpy()
-    from quads_jax.model import Transformer
     from quads_jax.train.state import to_model
     got = np.asarray(to_model(graphdef, state.params)(jnp.asarray(ids)))
     assert np.abs(got - want).max() / np.abs(want).max() < 1e-4

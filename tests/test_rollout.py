@@ -6,9 +6,7 @@ import os
 import socket
 import subprocess
 import sys
-import time
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax

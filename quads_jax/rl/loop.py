@@ -23,7 +23,7 @@ from quads_jax import metrics as MW
 from quads_jax.config_util import build
 from pallas_kernels import KernelConfig
 from quads_jax import precision as P
-from quads_jax.model import Transformer, from_dict, token_logprobs
+from quads_jax.model import ModelConfig, Transformer, from_dict, token_logprobs
 from quads_jax.rl import data as D
 from quads_jax.rl import grpo as G
 from quads_jax.rl.rewards import RewardPool

@@ -11,11 +11,9 @@ countdown: reach a target from three numbers with + - * (each used once, any ord
 from __future__ import annotations
 
 import ast
-import itertools
 import operator
 import re
 
-import numpy as np
 
 from quads_jax.rl.tasks import Problem, Task
 
