@@ -162,8 +162,7 @@ def grouped_dot_kn(x, w: ExpertsKN, group_sizes, *, impl: str = "auto", out_dtyp
         y = jax.lax.ragged_dot(x, v.astype(x.dtype), gs, preferred_element_type=jnp.float32)
         return y.astype(out_dtype)
     import tokamax
-    from tokamax._src.ops.ragged_dot import pallas_mosaic_gpu as mgpu
-    op = mgpu.PallasMosaicGpuRaggedDot(config=_tokamax_config(tiles, "fwd"))
+    op = tokamax_op(GroupedTiles(fwd=tiles), "fwd")
     if fp8:
         y = tokamax.ragged_dot(x.astype(jnp.bfloat16), _fp8_qarray(v), gs, preferred_element_type=jnp.float32,
                                implementation=[op])

@@ -173,8 +173,8 @@ def prepare_weight(w, mode: str, dtype=None):
     if mode == "fp8":
         t = fp8.quantize(jnp.asarray(w, jnp.float32), axis=-1)
         return fp8.to_kn(t) if t.values.ndim == 3 else t  # experts: the grouped GEMM's layout
-    w = w if dtype is None else jnp.asarray(w).astype(dtype)
-    return pk.ExpertsKN.from_enk(w, w.dtype) if w.ndim == 3 else w
+    dtype = dtype or jnp.asarray(w).dtype
+    return pk.ExpertsKN.from_enk(w, dtype) if w.ndim == 3 else jnp.asarray(w).astype(dtype)
 
 
 def _act_fq(x):

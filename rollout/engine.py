@@ -410,19 +410,23 @@ class Engine:
                     tok, lp, cache, ex, top, every, plp, ptop = self._step(
                         state, toks, mask, cache, last, temp, topp, topk, seeds, positions(), want_top & mask.any(1),
                         want_prompt & mask.any(1))
+                    # what only some requests asked for leaves the device only when one of them did
                     wants = [s for s in rows if requests[slot_req[s]].return_experts]
                     if wants and every is not None:
                         every_h = np.asarray(every)
                         for s in wants:
                             prompt_ex[slot_req[s]] = every_h[s, : len(requests[slot_req[s]].prompt) - 1].tolist()
-                    for s in (s for s in rows if requests[slot_req[s]].prompt_logprobs):
-                        r, n = requests[slot_req[s]], len(requests[slot_req[s]].prompt) - 1
-                        prompt_lp[slot_req[s]] = np.asarray(plp)[s, :n].tolist()
-                        if r.top_logprobs:
-                            pv, pi = np.asarray(ptop[0])[s], np.asarray(ptop[1])[s]
-                            prompt_top[slot_req[s]] = [pairs(pv[j], pi[j], r.top_logprobs) for j in range(n)]
+                    wants = [s for s in rows if requests[slot_req[s]].prompt_logprobs]
+                    if wants:
+                        plp_h, (pv, pi) = np.asarray(plp), jax.device_get(ptop)
+                        for s in wants:
+                            r, n = requests[slot_req[s]], len(requests[slot_req[s]].prompt) - 1
+                            prompt_lp[slot_req[s]] = plp_h[s, :n].tolist()
+                            if r.top_logprobs:
+                                prompt_top[slot_req[s]] = [pairs(pv[s, j], pi[s, j], r.top_logprobs) for j in range(n)]
+                    top_h = tuple(a[None] for a in jax.device_get(top)) if want_top[rows].any() else None
                     record(rows, np.asarray(tok)[None], np.asarray(lp)[None], np.ones((1, b), bool),
-                           None if ex is None else np.asarray(ex)[None], tuple(np.asarray(a)[None] for a in top))
+                           None if ex is None else np.asarray(ex)[None], top_h)
                 continue
             active = [i for i in range(b) if slot_req[i] >= 0]
             remaining = np.zeros(b, np.int32)

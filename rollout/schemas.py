@@ -14,7 +14,7 @@ fields take integers or floats, never booleans, and must be finite.
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
@@ -28,11 +28,12 @@ def _finite(v):
 Number = Annotated[Union[StrictInt, StrictFloat], AfterValidator(_finite)]
 
 
-def _only(*neutral):
-    """A field this engine cannot honour: accepted only at a value that changes nothing."""
+def _only(*neutral, why: str | None = None):
+    """A field that cannot be honoured: accepted only at a value that changes nothing (of the
+    same type: ``0`` is not ``False``)."""
     def check(v):
-        if not any(v == n and type(v) is type(n) or (v is None and n is None) for n in neutral):
-            raise ValueError(f"not supported by this engine (only {neutral[0]!r})")
+        if not any(v == n and type(v) is type(n) for n in neutral):
+            raise ValueError(f"not supported by this server ({why})" if why else f"not supported by this engine (only {neutral[0]!r})")
         return v
     return AfterValidator(check)
 
@@ -109,12 +110,7 @@ GENERATE_UNSUPPORTED = {
 
 def _unsupported(name):
     neutral, why = GENERATE_UNSUPPORTED[name]
-
-    def check(v):
-        if not any(v == n and type(v) is type(n) for n in neutral):
-            raise ValueError(f"not supported by this server ({why})")
-        return v
-    return Annotated[Any, AfterValidator(check)]
+    return Annotated[Any, _only(*neutral, why=why)]
 
 
 IdList = list[StrictInt]
@@ -174,11 +170,7 @@ class AbortRequest(BaseModel):
 class PauseRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    mode: Annotated[StrictStr, AfterValidator(lambda m: m if m in ("abort", "retract", "in_place") else _bad_mode(m))] = "retract"
-
-
-def _bad_mode(m):
-    raise ValueError("expected 'abort', 'retract' or 'in_place'")
+    mode: Literal["abort", "retract", "in_place"] = "retract"
 
 
 class MemoryRequest(BaseModel):
