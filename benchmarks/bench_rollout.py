@@ -13,7 +13,8 @@ Sections (each one's results are written as soon as it ends; a time-out keeps th
               (2048 -> 768, 128 experts, top-8): ours (W4A4 + RAC, W4A4, W4A16; quantizing the
               tokens once, as the model does) against tokamax's BF16 ragged_dot, its FP8 and
               int4 weight-only kernels, and lax.ragged_dot; each checked against FP32 products
-    sweep     bench_model.BIG through the rollout engine: for each recipe and batch, output
+    sweep     bench_model.BIG through the rollout engine (``--profile-batches``: a per-kernel
+              CUPTI breakdown of one decode step at those batches): for each recipe and batch, output
               tok/s over ``--prompts`` prompts x ``--new-tokens`` tokens (64-token prompts), the
               time of one decode step (a donated 16-step burst at the run's mean cache length,
               divided by 16), and the step's byte limit: the weight bytes a step reads (every
@@ -127,18 +128,18 @@ def peer(measure, copy_tbps, tokens=(64, 256), tiny=False):
 
 
 def _int4_qarray(wf):
-    """tokamax's int4 weight-only operand: [E, K, N] int4 values, one BF16 scale per 128 input
-    channels and output channel (symmetric, absmax / 7)."""
+    """tokamax's int4 weight-only operand: int4 values stored [E, N, K] (the layout its sm90
+    quantized kernel reads: passed with the transposed dimension numbers, no transpose a
+    call), one BF16 scale per 128 input channels and output channel (symmetric, absmax / 7)."""
     import jax.numpy as jnp
     import qwix
 
-    w = jnp.swapaxes(wf, 1, 2)  # [E, K, N]
-    e, k, n = w.shape
+    e, n, k = wf.shape
     g = 128 if k % 128 == 0 else k
-    blocks = w.reshape(e, k // g, g, n)
-    scale = jnp.max(jnp.abs(blocks), axis=2, keepdims=True) / 7.0
-    q = jnp.clip(jnp.round(blocks / jnp.maximum(scale, 1e-12)), -8, 7).astype(jnp.int4).reshape(e, k, n)
-    return qwix.QArray(qvalue=q, scale=scale[:, :, 0].astype(jnp.bfloat16), qtype=jnp.int4)
+    blocks = wf.reshape(e, n, k // g, g)
+    scale = jnp.max(jnp.abs(blocks), axis=3, keepdims=True) / 7.0
+    q = jnp.clip(jnp.round(blocks / jnp.maximum(scale, 1e-12)), -8, 7).astype(jnp.int4).reshape(e, n, k)
+    return qwix.QArray(qvalue=q, scale=scale[..., 0].astype(jnp.bfloat16), qtype=jnp.int4)
 
 
 def _tokamax_quant(xs, w, gs):
@@ -146,8 +147,10 @@ def _tokamax_quant(xs, w, gs):
     import jax.numpy as jnp
     import tokamax
 
+    from pallas_kernels.float_grouped import DIMS
+
     impl = None if jax.default_backend() == "gpu" else "xla"
-    return tokamax.ragged_dot(xs, w, gs, preferred_element_type=jnp.bfloat16, implementation=impl)
+    return tokamax.ragged_dot_general(xs, w, gs, DIMS, preferred_element_type=jnp.bfloat16, implementation=impl)
 
 
 # ----------------------------------------------------------------------------- the engine sweep
@@ -205,7 +208,33 @@ def step_seconds(eng, batch, live, bursts=6):
     return (time.perf_counter() - t0) / (bursts * n)
 
 
-def sweep(cfg, params, recipes, batches, prompts, new_tokens, copy_tbps, out_dir, deadline, prompt_len=64):
+def kernels_per_step(eng, batch, live, top=14):
+    """CUPTI time of each kernel (us, summed over its launches) in one decode step: a 16-step
+    burst (the engine's loop, not donated here) profiled, divided by 16; the ``top`` largest
+    names, the rest as "other", and "total"."""
+    import jax
+    import jax.numpy as jnp
+
+    from quads_jax.model.layers import init_kv_cache
+
+    n, b = eng.decode_burst, batch
+    cache = init_kv_cache(eng.cfg, b, eng.cache_len)
+    cache["lengths"] = jnp.full((b,), live, jnp.int32)
+    args = (eng._state, np.ones(b, np.int32), np.ones(b, bool), cache, np.ones(b, np.float32), np.ones(b, np.float32),
+            np.zeros(b, np.int32), np.arange(b, dtype=np.uint32), np.full(b, live, np.int32), np.full(b, 10**6, np.int32),
+            np.full((b, eng.max_stop_ids), -1, np.int32), np.int32(n), np.zeros(b, bool))
+    per = {}
+    for key, us in BK.breakdown(eng._burst_impl, *args, iterations=5).items():
+        name = key.split(":", 1)[1]
+        per[name] = per.get(name, 0.0) + us / n
+    ranked = sorted(per.items(), key=lambda kv: -kv[1])
+    out = dict(ranked[:top])
+    out["other"] = sum(v for _, v in ranked[top:])
+    out["total"] = sum(per.values())
+    return out
+
+
+def sweep(cfg, params, recipes, batches, prompts, new_tokens, copy_tbps, out_dir, deadline, prompt_len=64, profile=()):
     from quads_jax import precision as P
     from rollout.engine import Engine, Request
 
@@ -225,7 +254,7 @@ def sweep(cfg, params, recipes, batches, prompts, new_tokens, copy_tbps, out_dir
                 t0 = time.time()
                 eng = Engine(cfg, recipe=P.rollout_recipe(recipe), max_batch=batch, max_len=prompt_len + new_tokens)
                 eng.load(params)
-                eng.generate([dataclasses.replace(r, max_new_tokens=eng.decode_burst + 1) for r in reqs[:batch]])  # compile
+                eng.generate([dataclasses.replace(r, max_new_tokens=min(new_tokens, eng.decode_burst + 1)) for r in reqs[:batch]])  # compile
                 compile_s = time.time() - t0
                 step = step_seconds(eng, batch, live)
                 wb = weight_bytes_per_step(eng._state, cfg, batch)
@@ -240,6 +269,11 @@ def sweep(cfg, params, recipes, batches, prompts, new_tokens, copy_tbps, out_dir
                     row.update(output_tok_per_s=sum(len(r.output_ids) for r in res) / dt, wall_s=dt, requests=n_req)
                 else:
                     row["output_tok_per_s_skipped"] = "time budget"
+                if batch in profile:
+                    try:
+                        row["kernels_us_per_step"] = kernels_per_step(eng, batch, live)
+                    except Exception as e:
+                        row["kernels_error"] = f"{type(e).__name__}: {e}"[:300]
                 out[key] = row
                 del eng
             except Exception as e:
@@ -275,6 +309,11 @@ def markdown(res):
             lines.append(f"| {r} | {b[1:]} | {'-' if tps is None else f'{tps:,.0f}'} | {v['step_ms']:.3f} | {v['byte_limit_ms']:.3f} | "
                          f"{v['x_byte_limit']:.1f} | {v['weight_MB_per_step']:.0f} | {v['kv_MB_per_step']:.0f} |")
         lines.append("")
+        for k, v in sw.items():
+            ker = v.get("kernels_us_per_step")
+            if ker:
+                lines += [f"### Kernels of one decode step: {k} (CUPTI us, summed over launches)", "", "| kernel | us |", "|---|---|"]
+                lines += [f"| {n[:70]} | {us:.1f} |" for n, us in ker.items()] + [""]
     pe = s.get("peer") or {}
     if pe:
         cands = sorted({c for row in pe.values() for c in row})
@@ -339,6 +378,7 @@ def main():
     ap.add_argument("--prompts", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=512)
     ap.add_argument("--budget", type=float, default=1e9, help="seconds; later sweep entries are skipped past it")
+    ap.add_argument("--profile-batches", default="256", help="batches whose decode step gets a per-kernel breakdown ('' for none)")
     ap.add_argument("--tiny", action="store_true", help="a small model and sizes: checks the harness on a CPU")
     a = ap.parse_args()
     t_start = time.time()
@@ -375,7 +415,8 @@ def main():
         params = split_params(Transformer(cfg, rngs=nnx.Rngs(0)))[1]
         try:
             sweep(cfg, params, a.recipes.split(","), [int(b) for b in a.batches.split(",")], a.prompts, a.new_tokens,
-                  copy or 1.0, a.out, t_start + a.budget, prompt_len=16 if a.tiny else 64)
+                  copy or 1.0, a.out, t_start + a.budget, prompt_len=16 if a.tiny else 64,
+                  profile=[int(b) for b in a.profile_batches.split(",") if b])
         except Exception as e:
             RES["errors"]["sweep"] = f"{type(e).__name__}: {e}"[:600]
             traceback.print_exc()

@@ -12,7 +12,7 @@ from pallas_kernels.attention import attention_xla, causal_attention, causal_att
 from pallas_kernels.cache_attention import DecodeAttentionConfig, decode_attention, decode_attention_xla
 from pallas_kernels.config import BACKENDS, DwTiles, GroupedTiles, KernelConfig, Tiles
 from pallas_kernels.grouped_weight_grad import grouped_dw, grouped_dw_xla
-from pallas_kernels.float_grouped import ExpertsKN, grouped_dot, grouped_dot_kn, grouped_dot_xla
+from pallas_kernels.float_grouped import ExpertsKN, grouped_dot, grouped_dot_fp8, grouped_dot_kn, grouped_dot_xla
 from pallas_kernels.fp8_gemm import fp8_grouped_matmul, fp8_matmul
 from pallas_kernels.decode import DecodeConfig, nvfp4_block_values, nvfp4_block_values_xla
 from pallas_kernels.grouped_gemm import nvfp4_grouped_matmul, nvfp4_grouped_matmul_xla
@@ -22,7 +22,7 @@ from pallas_kernels.quantizer import (QuantConfig, QuantizedRows, quantize_activ
                                                  quantize_operand, quantize_rows)
 
 __all__ = [
-    "BACKENDS", "KernelConfig", "GroupedTiles", "Tiles", "DwTiles", "grouped_dw", "grouped_dw_xla", "grouped_dot", "grouped_dot_xla", "ExpertsKN", "grouped_dot_kn", "causal_attention", "causal_attention_xla",
+    "BACKENDS", "KernelConfig", "GroupedTiles", "Tiles", "DwTiles", "grouped_dw", "grouped_dw_xla", "grouped_dot", "grouped_dot_xla", "ExpertsKN", "grouped_dot_kn", "grouped_dot_fp8", "causal_attention", "causal_attention_xla",
     "attention_xla", "decode_attention", "decode_attention_xla", "DecodeAttentionConfig",
     "QuantConfig", "quantize_activations", "quantize_activations_rac", "QuantizedRows", "quantize_rows",
     "quantize_operand",

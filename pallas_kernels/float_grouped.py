@@ -17,10 +17,10 @@ Both return ``out_dtype`` (default: x's dtype) from FP32 accumulation, and both 
 differentiable. ``tiles`` (a ``GroupedTiles``) sets tokamax's tiles for the forward product,
 dx and dW separately; None fields keep tokamax's heuristic.
 
-Inference (the rollout) stores expert weights once in the layout the GEMM reads, [E, K, N]
-(``ExpertsKN``), and calls ``grouped_dot_kn``: no transpose or cast of a weight per step.
-Its values may be FP8 (E4M3): tokamax's sm90 quantized kernel then reads one byte a weight
-and converts in registers (``FP8_UNIT_SCALE``), the FP8 baseline's expert GEMM.
+Inference (the rollout) stores expert weights once in the layout each GEMM reads, so a step
+does no transpose or cast of a weight: BF16 as [E, K, N] (``ExpertsKN``, ``grouped_dot_kn``),
+the layout of tokamax's BF16 kernel; FP8 (E4M3) as [E, N, K] (``grouped_dot_fp8``), the
+layout of its sm90 quantized kernel, which reads one byte a weight and converts in registers.
 """
 
 from __future__ import annotations
@@ -110,8 +110,7 @@ def grouped_dot_tokamax(x, w, group_sizes, *, out_dtype=None, tiles: GroupedTile
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ExpertsKN:
-    """Stacked expert weights stored [E, K, N] for inference (``values``: float, or FP8 E4M3
-    values whose scales the caller applies). ``shape`` is the logical [E, N, K] of the model's
+    """Stacked float expert weights stored [E, K, N] for inference. ``shape`` is the logical [E, N, K] of the model's
     weight it was made from (``from_enk``)."""
     values: jax.Array
 
@@ -132,21 +131,44 @@ class ExpertsKN:
 
 
 # tokamax's quantized kernel dequantizes w * scale in the scale's type; a unit BF16 scale
-# keeps the FP8 values exact, and the real per-channel scales are applied to the FP32 output
+# keeps the FP8 values exact, and the caller applies the real per-channel scales to the output
 FP8_UNIT_SCALE = jnp.bfloat16
 
 
-def _fp8_qarray(v):
+def grouped_dot_fp8(x, values, group_sizes, *, impl: str = "auto", tiles: Tiles | None = None):
+    """``x_e @ V_e.T`` per group for FP8 E4M3 expert values [E, N, K] (the layout they are
+    quantized in, one scale per output channel, applied by the caller), forward only: the
+    unscaled product in FP32. x must be BF16 with exact FP8 values (E4M3 is a subset of BF16).
+
+    On a GPU ``impl`` "tokamax" (or "auto") runs tokamax's sm90 quantized kernel with unit
+    scales. That kernel reads the weight as [E, N, K] in memory: its API takes [E, K, N] and
+    transposes it back, so [E, N, K] goes in with the transposed dimension numbers, and the
+    two transposes cancel in XLA (a [E, K, N] weight would be transposed on every call). It
+    writes BF16 (its epilogue needs ``block_n`` output elements to fill one 128-byte swizzle,
+    which FP32 output at block_n = 64 does not), rounded once, as a BF16 GEMM's output is."""
+    if values.ndim != 3 or values.dtype != jnp.float8_e4m3fn:
+        raise ValueError(f"values: expected float8_e4m3fn [E, N, K], got {values.dtype}{tuple(values.shape)}")
+    e, n, k = values.shape
+    if x.ndim != 2 or x.shape[1] != k:
+        raise ValueError(f"x: expected [M, {k}], got shape {x.shape}")
+    if group_sizes.shape != (e,):
+        raise ValueError(f"group_sizes: expected shape ({e},), got {group_sizes.shape}")
+    gs = group_sizes.astype(jnp.int32)
+    x = x.astype(jnp.bfloat16)
+    if KernelConfig(grouped=impl).resolved_grouped() == "xla" or jax.default_backend() != "gpu":
+        return jax.lax.ragged_dot_general(x, values.astype(jnp.bfloat16), gs, DIMS, preferred_element_type=jnp.float32)
     import qwix
-    e, _, n = v.shape
-    return qwix.QArray(qvalue=v, scale=jnp.ones((e, 1, n), FP8_UNIT_SCALE), qtype=v.dtype)
+    import tokamax
+    q = qwix.QArray(qvalue=values, scale=jnp.ones((e, n, 1), FP8_UNIT_SCALE), qtype=values.dtype)
+    y = tokamax.ragged_dot_general(x, q, gs, DIMS, preferred_element_type=jnp.bfloat16,
+                                   implementation=[tokamax_op(GroupedTiles(fwd=tiles), "fwd")])
+    return y.astype(jnp.float32)
 
 
 def grouped_dot_kn(x, w: ExpertsKN, group_sizes, *, impl: str = "auto", out_dtype=None, tiles: Tiles | None = None):
-    """``x_e @ W_e`` per group for weights stored [E, K, N] (``ExpertsKN``), forward only.
-    FP8 values need x in BF16 (FP8 activations are exact in it): the product is then the
-    FP8 GEMM's, FP32 accumulation, unscaled. ``impl`` "tokamax" (``tiles``: None for its
-    heuristic) or "xla" (``lax.ragged_dot``)."""
+    """``x_e @ W_e`` per group for float weights stored [E, K, N] (``ExpertsKN``), forward
+    only, FP32 accumulation. ``impl`` "tokamax" (``tiles``: None for its heuristic) or "xla"
+    (``lax.ragged_dot``)."""
     if not isinstance(w, ExpertsKN):
         raise ValueError(f"w: expected an ExpertsKN ([E, K, N] values), got {type(w).__name__}")
     v = w.values
@@ -155,19 +177,16 @@ def grouped_dot_kn(x, w: ExpertsKN, group_sizes, *, impl: str = "auto", out_dtyp
         raise ValueError(f"x: expected [M, {k}], got shape {x.shape}")
     if group_sizes.shape != (e,):
         raise ValueError(f"group_sizes: expected shape ({e},), got {group_sizes.shape}")
+    if not jnp.issubdtype(v.dtype, jnp.floating) or v.dtype == jnp.float8_e4m3fn:
+        raise ValueError(f"w: expected BF16/FP16/FP32 values (FP8 goes through grouped_dot_fp8), got {v.dtype}")
     gs = group_sizes.astype(jnp.int32)
-    fp8 = v.dtype == jnp.float8_e4m3fn
-    out_dtype = out_dtype or (jnp.float32 if fp8 else x.dtype)
+    out_dtype = out_dtype or x.dtype
     if KernelConfig(grouped=impl).resolved_grouped() == "xla" or jax.default_backend() != "gpu":
         y = jax.lax.ragged_dot(x, v.astype(x.dtype), gs, preferred_element_type=jnp.float32)
         return y.astype(out_dtype)
     import tokamax
-    op = tokamax_op(GroupedTiles(fwd=tiles), "fwd")
-    if fp8:
-        y = tokamax.ragged_dot(x.astype(jnp.bfloat16), _fp8_qarray(v), gs, preferred_element_type=jnp.float32,
-                               implementation=[op])
-    else:
-        y = tokamax.ragged_dot(x, v.astype(x.dtype), gs, preferred_element_type=x.dtype, implementation=[op])
+    y = tokamax.ragged_dot(x, v.astype(x.dtype), gs, preferred_element_type=x.dtype,
+                           implementation=[tokamax_op(GroupedTiles(fwd=tiles), "fwd")])
     return y.astype(out_dtype)
 
 

@@ -12,16 +12,14 @@ import jax
 import jax.numpy as jnp
 
 from quads_jax import fp8
-from pallas_kernels.float_grouped import ExpertsKN, grouped_dot_kn
+from pallas_kernels.float_grouped import grouped_dot_fp8
 from pallas_kernels.grouped_gemm import check_group_sizes, expert_of_rows
 
 
 def _check(x, w: fp8.FP8Tensor, ndim: int):
     if not isinstance(w, fp8.FP8Tensor) or w.values.ndim != ndim:
         raise ValueError(f"w: expected an FP8Tensor of rank {ndim} ([N, K] or [E, N, K]), got {type(w).__name__}")
-    if w.kn and ndim != 3:
-        raise ValueError("w: the [E, K, N] layout (fp8.to_kn) is for the grouped GEMM's expert weights")
-    k = w.shape[-2] if w.kn else w.shape[-1]
+    k = w.shape[-1]
     if x.ndim != 2 or x.shape[1] != k:
         raise ValueError(f"x: expected [T, {k}], got {tuple(x.shape)}")
 
@@ -37,21 +35,18 @@ def fp8_matmul(x, w: fp8.FP8Tensor, *, backend=None, out_dtype=jnp.bfloat16):
 
 def fp8_grouped_matmul(x, w: fp8.FP8Tensor, group_sizes, *, backend=None, out_dtype=jnp.bfloat16, grouped: str = "auto",
                        tiles=None):
-    """Grouped W8A8 for sorted MoE rows; w [E, N, K] with scales [E, N, 1], or stored [E, K, N]
-    (``fp8.to_kn``, what the rollout engine loads): then no transpose of the weight per call.
-    The unscaled E4M3 product runs through ``grouped_dot_kn`` (``grouped``: tokamax's kernel
-    reading one byte a weight on a GPU, or ``lax.ragged_dot``; ``tiles`` for tokamax), FP32
-    accumulation; both scales are applied to its output."""
+    """Grouped W8A8 for sorted MoE rows; w [E, N, K] with scales [E, N, 1], read as stored
+    (no transpose or cast per call). The unscaled E4M3 product runs through
+    ``grouped_dot_fp8`` (``grouped``: tokamax's kernel reading one byte a weight on a GPU, or
+    ``lax.ragged_dot``; ``tiles`` for tokamax); both scales are applied to its output."""
     del backend
     _check(x, w, 3)
     m = x.shape[0]
     group_sizes = check_group_sizes(group_sizes, m, w.shape[0])
     xq = fp8.quantize(x, axis=-1)
-    wv = w.values if w.kn else jnp.swapaxes(w.values, 1, 2)  # [E, K, N]
     # E4M3 activation values are exact in BF16, the operand tokamax's FP8-weight kernel takes
-    acc = grouped_dot_kn(xq.values.astype(jnp.bfloat16), ExpertsKN(wv), group_sizes, impl=grouped, tiles=tiles,
-                         out_dtype=jnp.float32)
+    acc = grouped_dot_fp8(xq.values.astype(jnp.bfloat16), w.values, group_sizes, impl=grouped, tiles=tiles)
     ex = expert_of_rows(group_sizes, m)
-    scale = w.scale[:, 0, :] if w.kn else w.scale[..., 0]  # [E, N]
+    scale = w.scale[..., 0]  # [E, N]
     ws = jnp.concatenate([scale, jnp.zeros((1, scale.shape[1]), jnp.float32)])[ex]  # [M, N]
     return (acc * xq.scale * ws).astype(out_dtype)

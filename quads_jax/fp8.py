@@ -23,9 +23,6 @@ E4M3_MAX = 448.0
 class FP8Tensor:
     values: jax.Array  # float8_e4m3fn, same shape as the input
     scale: jax.Array  # float32, keepdims (size 1 along the quantized axis)
-    # stacked expert weights stored [E, K, N] (``to_kn``), the layout lax.ragged_dot contracts
-    # without transposing the weight on every call; False: the quantized layout ([..., N, K])
-    kn: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     @property
     def shape(self):
@@ -49,14 +46,6 @@ def quantize(x, axis: int = -1) -> FP8Tensor:
     scale = jnp.where(amax > 0, nvfp4.ieee_div(amax, E4M3_MAX), 1.0)
     q = _round(x, scale)
     return FP8Tensor(values=q.astype(jnp.float8_e4m3fn), scale=scale)
-
-
-def to_kn(t: FP8Tensor) -> FP8Tensor:
-    """Expert weights [E, N, K] quantized along K -> the same numbers stored [E, K, N] (scales
-    [E, 1, N]), once at load: the grouped FP8 GEMM then reads them as they are."""
-    if t.kn or t.values.ndim != 3:
-        raise ValueError(f"t: expected [E, N, K] expert weights in the quantized layout, got shape {t.shape} (kn={t.kn})")
-    return FP8Tensor(values=jnp.swapaxes(t.values, 1, 2), scale=jnp.swapaxes(t.scale, 1, 2), kn=True)
 
 
 def fake_quant(x, axis: int = -1):

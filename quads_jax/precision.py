@@ -164,15 +164,14 @@ def fake_quant_weight(w):
 def prepare_weight(w, mode: str, dtype=None):
     """Convert a float weight once for the rollout mode, into what its GEMM reads, so that a
     step does no work on weights: ``w4a4``/``w4a16`` -> NVFP4Tensor (codes as uint32 words of
-    8, ``nvfp4.code_words``: the same bytes), ``fp8`` -> FP8Tensor per output channel (stacked
-    experts stored [E, K, N]); float modes -> cast to ``dtype`` (the type the product reads
+    8, ``nvfp4.code_words``: the same bytes), ``fp8`` -> FP8Tensor per output channel ([N, K] or
+    [E, N, K]: the layout tokamax's FP8 kernel reads); float modes -> cast to ``dtype`` (the type the product reads
     it in; None keeps it), stacked experts as ``pk.ExpertsKN`` [E, K, N]."""
     if mode in ("w4a4", "w4a16"):
         t = quantize_weight(jnp.asarray(w, jnp.float32))
         return dataclasses.replace(t, codes=nvfp4.code_words(t.codes))
     if mode == "fp8":
-        t = fp8.quantize(jnp.asarray(w, jnp.float32), axis=-1)
-        return fp8.to_kn(t) if t.values.ndim == 3 else t  # experts: the grouped GEMM's layout
+        return fp8.quantize(jnp.asarray(w, jnp.float32), axis=-1)
     dtype = dtype or jnp.asarray(w).dtype
     return pk.ExpertsKN.from_enk(w, dtype) if w.ndim == 3 else jnp.asarray(w).astype(dtype)
 

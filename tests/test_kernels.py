@@ -131,19 +131,19 @@ def test_fp8_matmul_close_to_float(rng):
     yg = pk.fp8_grouped_matmul(x, fp8.quantize(wg), jnp.array([3, 0, 5]), out_dtype=jnp.float32)
     ref = jnp.concatenate([x[:3] @ wg[0].T, x[3:] @ wg[2].T])
     assert rel(yg, ref) < 0.05
-    # the rollout's expert layout [E, K, N] (no transpose a call): the same numbers
+    # what the rollout loads: the quantized layout [E, N, K] itself (tokamax's FP8 kernel reads it)
     from quads_jax import precision as P
 
-    wkn = P.prepare_weight(wg, "fp8")
-    assert wkn.kn and wkn.values.shape == (3, 256, 32)
-    np.testing.assert_array_equal(np.asarray(pk.fp8_grouped_matmul(x, wkn, jnp.array([3, 0, 5]), out_dtype=jnp.float32)), np.asarray(yg))
-    with pytest.raises(ValueError, match="layout"):
-        fp8.to_kn(wkn)
+    wp = P.prepare_weight(wg, "fp8")
+    assert wp.values.shape == (3, 32, 256) and wp.values.dtype == jnp.float8_e4m3fn
+    np.testing.assert_array_equal(np.asarray(pk.fp8_grouped_matmul(x, wp, jnp.array([3, 0, 5]), out_dtype=jnp.float32)), np.asarray(yg))
+    with pytest.raises(ValueError, match="x: expected"):
+        pk.fp8_grouped_matmul(x[:, :128], wp, jnp.array([3, 0, 5]))
 
 
 def test_grouped_dot_of_stored_kn_weights_equals_the_reference(rng):
-    """The rollout's expert layout [E, K, N] (ExpertsKN) gives the [E, N, K] reference's
-    numbers, BF16 and FP8 values alike; FP8 E4M3 activations are exact in BF16."""
+    """The rollout's BF16 expert layout [E, K, N] (ExpertsKN) gives the [E, N, K] reference's
+    numbers; FP8 values stay [E, N, K] (grouped_dot_fp8), and E4M3 activations are exact in BF16."""
     x = jnp.asarray(rng.standard_normal((9, 64)), jnp.bfloat16)
     w = jnp.asarray(rng.standard_normal((3, 32, 64)) / 8, jnp.bfloat16)
     gs = jnp.array([4, 0, 5])
@@ -152,12 +152,16 @@ def test_grouped_dot_of_stored_kn_weights_equals_the_reference(rng):
     assert kn.shape == (3, 32, 64) and kn.values.shape == (3, 64, 32)
     np.testing.assert_array_equal(np.asarray(pk.grouped_dot(x, kn, gs, out_dtype=jnp.float32)), np.asarray(ref))
     x8, w8 = x.astype(jnp.float8_e4m3fn), w.astype(jnp.float8_e4m3fn)
-    y8 = pk.grouped_dot_kn(x8.astype(jnp.bfloat16), pk.ExpertsKN(jnp.swapaxes(w8, 1, 2)), gs)
+    y8 = pk.grouped_dot_fp8(x8.astype(jnp.bfloat16), w8, gs)
     assert y8.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(y8), np.asarray(pk.grouped_dot_xla(x8.astype(jnp.float32), w8.astype(jnp.float32), gs)),
                                rtol=1e-6, atol=1e-6)
     with pytest.raises(ValueError, match="x: expected"):
         pk.grouped_dot_kn(x[:, :32], kn, gs)
+    with pytest.raises(ValueError, match="grouped_dot_fp8"):
+        pk.grouped_dot_kn(x, pk.ExpertsKN(jnp.swapaxes(w8, 1, 2)), gs)
+    with pytest.raises(ValueError, match="values: expected"):
+        pk.grouped_dot_fp8(x, w, gs)
 
 
 @pytest.mark.parametrize("h,hkv,d,s,splits,block_k", [(8, 2, 64, 40, 1, 16), (8, 2, 64, 40, 3, 16), (4, 4, 32, 70, None, 32),

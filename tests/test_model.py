@@ -192,7 +192,7 @@ def test_float_rollout_weights_are_stored_as_their_gemm_reads_them(recipe):
         t = toks(5)
         np.testing.assert_array_equal(np.asarray(fwd(r, t)), np.asarray(fwd(m, t, precision=P.rollout_recipe("bf16"))))
     else:
-        assert isinstance(wg, fp8.FP8Tensor) and wg.kn
+        assert isinstance(wg, fp8.FP8Tensor) and wg.values.shape == (8, 32, 64)  # [E, N, K], as tokamax's FP8 kernel reads it
     assert r.layers[0].moe.router.w.get_value().dtype == jnp.float32
 
 
