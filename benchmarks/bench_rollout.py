@@ -147,9 +147,11 @@ def _tokamax_quant(xs, w, gs):
     import jax.numpy as jnp
     import tokamax
 
-    from pallas_kernels.float_grouped import DIMS
+    from pallas_kernels.config import GroupedTiles
+    from pallas_kernels.float_grouped import DIMS, quantized_weight_tiles, tokamax_op
 
-    impl = None if jax.default_backend() == "gpu" else "xla"
+    # tokamax's heuristic misreads the K tile of an [E, N, K] weight: its own choice, given explicitly
+    impl = [tokamax_op(GroupedTiles(fwd=quantized_weight_tiles(xs.shape[1], 128)), "fwd")] if jax.default_backend() == "gpu" else "xla"
     return tokamax.ragged_dot_general(xs, w, gs, DIMS, preferred_element_type=jnp.bfloat16, implementation=impl)
 
 

@@ -135,6 +135,16 @@ class ExpertsKN:
 FP8_UNIT_SCALE = jnp.bfloat16
 
 
+def quantized_weight_tiles(k: int, subchannel: int | None = None) -> Tiles:
+    """Tiles for tokamax's sm90 quantized kernel with a weight passed as [E, N, K]: what its
+    own heuristic picks for the same weight passed as [E, K, N] (64 x 64, block_k = the scale's
+    K tile up to 256, 2 stages, persistent). Its heuristic reads the scale tile's axis 1 as K,
+    which for [E, N, K] is N's tile (1), so it cannot be used with this layout."""
+    sub = k if subchannel is None else subchannel
+    bk = 256 if sub % 256 == 0 and k % 256 == 0 else 128
+    return Tiles(block_m=64, block_n=64, block_k=bk, num_stages=2, persistent=True)
+
+
 def grouped_dot_fp8(x, values, group_sizes, *, impl: str = "auto", tiles: Tiles | None = None):
     """``x_e @ V_e.T`` per group for FP8 E4M3 expert values [E, N, K] (the layout they are
     quantized in, one scale per output channel, applied by the caller), forward only: the
@@ -145,7 +155,8 @@ def grouped_dot_fp8(x, values, group_sizes, *, impl: str = "auto", tiles: Tiles 
     transposes it back, so [E, N, K] goes in with the transposed dimension numbers, and the
     two transposes cancel in XLA (a [E, K, N] weight would be transposed on every call). It
     writes BF16 (its epilogue needs ``block_n`` output elements to fill one 128-byte swizzle,
-    which FP32 output at block_n = 64 does not), rounded once, as a BF16 GEMM's output is."""
+    which FP32 output at block_n = 64 does not), rounded once, as a BF16 GEMM's output is.
+    ``tiles`` None: ``quantized_weight_tiles``."""
     if values.ndim != 3 or values.dtype != jnp.float8_e4m3fn:
         raise ValueError(f"values: expected float8_e4m3fn [E, N, K], got {values.dtype}{tuple(values.shape)}")
     e, n, k = values.shape
@@ -161,7 +172,7 @@ def grouped_dot_fp8(x, values, group_sizes, *, impl: str = "auto", tiles: Tiles 
     import tokamax
     q = qwix.QArray(qvalue=values, scale=jnp.ones((e, n, 1), FP8_UNIT_SCALE), qtype=values.dtype)
     y = tokamax.ragged_dot_general(x, q, gs, DIMS, preferred_element_type=jnp.bfloat16,
-                                   implementation=[tokamax_op(GroupedTiles(fwd=tiles), "fwd")])
+                                   implementation=[tokamax_op(GroupedTiles(fwd=tiles or quantized_weight_tiles(k)), "fwd")])
     return y.astype(jnp.float32)
 
 

@@ -263,8 +263,8 @@ def grouped_linear(x, w, group_sizes, mode: str, *, dtype=jnp.bfloat16, rac_rati
     """Per-expert ``x_e @ W_e.T`` for rows of x [M, K] (or QuantizedRows) sorted by expert and
     W [E, N, K]; ``w`` may be a list of expert weights that read the same rows (gate/up): the
     list of outputs, from one kernel launch when they are NVFP4. Rollout float weights
-    (``pk.ExpertsKN``) and FP8 weights run the forward GEMM in their stored [E, K, N] layout
-    (with ``tiles.infer``). Float weights go through ``pk.grouped_dot`` (``grouped``: "tokamax", "xla" or "auto"; ``tiles``: its
+    (``pk.ExpertsKN``, stored [E, K, N]) and FP8 weights (stored [E, N, K]) run the forward GEMM
+    in their stored layout (with ``tiles.infer``). Float weights go through ``pk.grouped_dot`` (``grouped``: "tokamax", "xla" or "auto"; ``tiles``: its
     ``pk.GroupedTiles``), in their stored layout."""
     ws, many = _weights(w)
     launches = _nvfp4_launches(ws)
