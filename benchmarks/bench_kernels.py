@@ -74,6 +74,7 @@ def timer():
             times = [t for t in (times or []) if t is not None]
         except Exception:
             times = []
+        measure.source = "cupti" if times else "wall"
         if times:
             return float(np.median(times)) * 1e3  # us, CUPTI kernel time
         # CUPTI gave nothing (seen for some ops): many back-to-back async launches, one sync,

@@ -83,15 +83,20 @@ MIN_PART = 256  # channels a program owns at the least (one 16-block of RAC sele
 
 
 def quant_config(t: int, k: int, num_sms: int | None = None, split: bool = True) -> QuantConfig:
-    """Decode sizes (few tokens) split each row over ``parts`` programs until about one wave
-    runs (T=16: 8 parts, T=64: 2); prefill sizes take one program per row (or two rows).
-    ``split=False``: one program per row at any size (the layout before the split, which the
-    benchmarks keep as a baseline)."""
+    """Rows of K >= 512 channels take at least two programs each (``parts``), and decode sizes
+    (few tokens) split further until about one wave runs (T=16: 8 parts, T=64: 2); 1024
+    tokens and more take two rows a program. ``split=False``: one program per row at any size
+    (the layout the benchmarks keep as a baseline).
+
+    Why two parts at any T: on an H100 (benchmarks/results/2026-12-05-h100-rollout-scale) one
+    program a row was the slow layout at every size measured, with or without RAC: 21.8 us
+    against 2.9 us for two a row at T=256, K=2048 without RAC, and with RAC the quantizer took
+    9.3 ms of quads' 12.4 ms decode step at batch 256, where T=64 (two a row) cost 16 us a call."""
     num_sms = num_sms or device_sms()
     block_rows = 1 if t < 1024 else 2
     programs = -(-t // block_rows)
     parts = 1
-    while split and programs * parts * 2 <= num_sms and k % (parts * 2 * MIN_PART) == 0:
+    while split and k % (parts * 2 * MIN_PART) == 0 and (parts == 1 or programs * parts * 2 <= num_sms):
         parts *= 2
     chunk = 1024
     while (k // parts) % chunk:
