@@ -130,7 +130,10 @@ def cases(override=None):
         ("dense T64 4096x14336 rho0", dense(64, 14336, 4096, 0.0)),
         ("dense T64 4096x14336 rho0.5", dense(64, 14336, 4096, 0.5)),
         ("dense T64 4096x14336 rho0.5 exact", dense(64, 14336, 4096, 0.5, "exact")),
+        ("dense T256 1024x1536 rho0", dense(256, 1536, 1024, 0.0)),
+        ("dense T256 1024x1536 rho0.5", dense(256, 1536, 1024, 0.5)),
         ("grouped 64 tok 1024x512 rho0", grouped(64, 512, 1024, 0.0)),
+        ("grouped 256 tok 1024x512 rho0.5", grouped(256, 512, 1024, 0.5)),
         ("grouped 64 tok 1024x512 rho0.5", grouped(64, 512, 1024, 0.5)),
     ):
         values = cfg.block_n * cfg.block_k // (32 * cfg.num_warps)

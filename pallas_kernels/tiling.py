@@ -102,8 +102,14 @@ def gemm_config(t: int, n: int, k: int, programs_per_row_tile: int = 1, stacked:
     ``stacked``: the token operand holds each token's activation and residual rows (RAC with
     ``rac_sum="exact"``; the default FP16 sum needs no extra rows). The prmt decode then
     takes 64-wide tiles above 16 tokens (T=64: 122 us against 204 at 128, which spills); the
-    word decode keeps 128 (97 us against 107)."""
-    if t >= 256:
+    word decode keeps 128 (97 us against 107).
+
+    The decode tiles serve up to PREFILL_DEQUANT_MIN_T tokens (the RL rollout's batches of 64
+    to 512): at batch 256 the square-tile fused GEMM this heuristic gave from T=256 on (bits
+    decode, no split-K: 16-48 programs on 132 SMs) took 39 us a dense launch on an H100, 622
+    us of nvfp4's 3.3 ms decode step, for weights of ~1 MB (benchmarks/results/
+    2026-12-05-h100-rollout-scale)."""
+    if t >= PREFILL_DEQUANT_MIN_T:
         bk = 64 if k % 64 == 0 else 32
         path = "dequant" if t >= PREFILL_DEQUANT_MIN_T and programs_per_row_tile == 1 else "fused"
         return GemmConfig(block_m=128, block_n=128, block_k=bk, num_warps=8, num_stages=3, path=path)

@@ -122,6 +122,23 @@ def test_pallas_quantizer_is_bit_identical_to_xla(t):
         np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
 
 
+@pytest.mark.parametrize("t,k", [(64, 2048), (256, 1024), (2048, 512)])
+@pytest.mark.parametrize("layout", ["default", "one_row"])
+def test_per_token_quantizer_is_bit_identical_to_xla(t, k, layout):
+    """The rollout's quantizer (per-token scales computed in the kernel, RAC 0 and 0.5) at the
+    rollout's sizes, in the default layout and in one program a row."""
+    from pallas_kernels.quantizer import quant_config
+
+    rng = np.random.default_rng()
+    x = jnp.asarray(rng.standard_normal((t, k)) * np.exp(rng.standard_normal((1, k))), jnp.bfloat16)
+    cfg = quant_config(t, k, split=layout == "default")
+    for rho in (0.0, 0.5):
+        a = pk.quantize_activations_rac(x, rac_ratio=rho, act_scale="token", backend="pallas", config=cfg)
+        b = pk.quantize_activations_rac(x, rac_ratio=rho, act_scale="token", backend="xla")
+        for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+            np.testing.assert_array_equal(np.asarray(u), np.asarray(v), err_msg=f"rho={rho} {cfg}")
+
+
 @pytest.mark.parametrize("b,s,splits", [(64, 576, None), (8, 2048, None), (256, 576, 1)])
 def test_decode_attention_kernel_equals_xla(b, s, splits):
     """The live-key decode kernel compiled for the GPU against the masked reference."""

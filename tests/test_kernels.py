@@ -308,6 +308,10 @@ def test_decode_tiles_follow_the_measured_choices():
         # large weights: 256-channel K tiles, split to 1.5 waves (112 N tiles x 2), 3 stages;
         # stacked rows keep 128-channel tiles (shared memory), 2 stages above 16 tokens
         assert (c.block_k, c.split_k, c.num_stages) == ((128, 2, 2) if stacked else (256, 2, 3))
+    # the rollout's mid batches (T=256) keep the decode tiles: 64-token tiles, the word decode,
+    # split-K to fill the chip (the bench model's q/k/v: 4 row tiles x 12 N tiles)
+    mid = tiling.gemm_config(256, 1536, 1024, num_sms=132)
+    assert (mid.block_m, mid.decode, mid.swap_ab, mid.path, mid.split_k) == (64, "words", True, "fused", 4)
     small = tiling.gemm_config(16, 768, 2048)
     assert (small.block_k, small.split_k) == (128, 8)  # few N tiles: deep split, 2 K tiles a program
     g = tiling.gemm_config(8, 768, 2048, programs_per_row_tile=64)
