@@ -738,57 +738,6 @@ def triton_plugin_sass():
         return {"error": f"{type(e).__name__}: {e}"[:400]}
 
 
-def quant_candidates(k):
-    import itertools
-
-    from pallas_kernels import QuantConfig
-
-    # the row split (parts) by chunk width, warps as quant_config lays a chunk's parity half out
-    # (one value a thread or more); plus RAC's bisection for one program a row
-    split = [QuantConfig(chunk=c, num_warps=8 if c >= 512 else 4, parts=p) for p, c in itertools.product((1, 2, 4, 8, 16), (256, 512, 1024))
-             if (k // p) % c == 0]
-    return split + [QuantConfig(chunk=c, num_warps=8, select="bisect") for c in (512, 1024) if k % c == 0]
-
-
-@section("quant")
-def quant_sweep(measure, shapes=((16, 4096), (64, 4096), (16, 2048), (1, 4096))):
-    """The activation quantizer (per-token scales, RAC 0 and 0.5): every config's output bits
-    against the XLA reference, then its device time; the default config's time beside the best."""
-    import dataclasses
-
-    import jax.numpy as jnp
-
-    from pallas_kernels import quantize_activations_rac
-    from pallas_kernels.quantizer import quant_config
-
-    out = {}
-    rng = np.random.default_rng(3)
-    for t, k in shapes:
-        x = jnp.asarray(heavy(rng, (t, k))).astype(jnp.bfloat16)
-        for rho in (0.0, 0.5):
-            ref = quantize_activations_rac(x, rac_ratio=rho, act_scale="token", backend="xla")
-            row = {"default_config": dataclasses.asdict(quant_config(t, k))}
-            cands = quant_candidates(k) if rho else [c for c in quant_candidates(k) if c.select == "auto"]
-            for cfg in [None] + cands:
-                name = "default" if cfg is None else f"p{cfg.parts}_c{cfg.chunk}_w{cfg.num_warps}_{cfg.select}"
-                f = lambda v, cfg=cfg: quantize_activations_rac(v, rac_ratio=rho, act_scale="token", backend="pallas", config=cfg)
-                try:
-                    got = f(x)
-                    same = all(np.array_equal(np.asarray(a.codes), np.asarray(b.codes)) and
-                               np.array_equal(np.asarray(a.scales).view(np.uint8), np.asarray(b.scales).view(np.uint8))
-                               for a, b in zip(ref, got) if a is not None)
-                    row[name] = {"us": measure(f, x), "bit_identical": bool(same)}
-                except Exception as e:
-                    row[name] = {"error": f"{type(e).__name__}: {e}"[:300]}
-            ok = {n: v["us"] for n, v in row.items() if n != "default_config" and v.get("bit_identical")}
-            if ok:
-                row["best"] = min(ok, key=ok.get)
-                row["best_us"] = ok[row["best"]]
-            out[f"T{t}_K{k}_rho{rho}"] = row
-            print(f"quant T={t} K={k} rho={rho}: default {row['default'].get('us')} best {row.get('best')} {row.get('best_us')}", flush=True)
-    return out
-
-
 @section("swap")
 def swap_sweep(measure, copy_tbps=None):
     """The sweep over swap_ab and prmt variants, at T = 16 and 64 on the largest decode shape."""
@@ -867,8 +816,6 @@ def main():
         decode(measure, ceil, args.quick)
     if want("sweep"):
         sweep(measure, (ceil or {}).get("copy_TBps"))
-    if want("quant"):
-        quant_sweep(measure)
     if want("swap"):
         swap_sweep(measure, (ceil or {}).get("copy_TBps"))
     if want("tiles"):

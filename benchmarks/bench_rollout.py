@@ -427,6 +427,7 @@ def main():
     ap.add_argument("--prompts", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=512)
     ap.add_argument("--budget", type=float, default=1e9, help="seconds; later sweep entries are skipped past it")
+    ap.add_argument("--quant-shapes", default="64x1024,256x1024,256x2048,2048x512", help="TxK of the quant section")
     ap.add_argument("--profile-batches", default="256", help="batches whose decode step gets a per-kernel breakdown ('' for none)")
     ap.add_argument("--tiny", action="store_true", help="a small model and sizes: checks the harness on a CPU")
     a = ap.parse_args()
@@ -443,7 +444,7 @@ def main():
             RES["errors"]["ceilings"] = f"{type(e).__name__}: {e}"[:600]
         save(a.out)
     copy = (RES["sections"].get("ceilings") or {}).get("copy_TBps")
-    for name, fn in (("quant", lambda: quant(measure, shapes=((8, 256),) if a.tiny else ((64, 1024), (256, 1024), (256, 2048), (2048, 512)))),
+    for name, fn in (("quant", lambda: quant(measure, shapes=((8, 256),) if a.tiny else [tuple(map(int, v.split("x"))) for v in a.quant_shapes.split(",")])),
                      ("peer", lambda: peer(measure, copy, tiny=a.tiny))):
         if name in sections:
             try:

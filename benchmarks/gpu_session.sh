@@ -13,7 +13,7 @@
 #   prefill       T=4096: fused vs decode-once + BF16 dot, with a per-kernel breakdown
 #   sass          tensor-core MMA instructions in the Pallas GEMM variants
 #   decode        decode GEMMs vs BF16/FP8 dots;  grouped: MoE grouped GEMM vs ragged_dot
-#   quant         the activation quantizer's configs, bit-checked against XLA
+#   quant         the activation quantizer's layouts at decode and rollout sizes, bit-checked against XLA
 #   ncu           Nsight Compute on the NVFP4 kernels at decode shapes (benchmarks/ncu_probe.py)
 # The device returns only a few files: each stage's log and outputs are appended to one tar,
 # $OUT/results.tar (extract with tar -xf), and removed.
@@ -51,7 +51,8 @@ run_stage() {
     grouped) stage "${GROUPED_CAP:-100}" grouped python3 $BK --out "$o/grouped" --only grouped ;;
     gpu_tests) stage "${GPU_TESTS_CAP:-150}" gpu_tests python3 -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider ${GPU_TESTS_ARGS:-} ;;
     train) stage "${TRAIN_CAP:-330}" train python3 benchmarks/bench_train.py --out "$o/train" --budget $(( ${TRAIN_CAP:-330} - 90 )) ${TRAIN_ARGS:-} ;;
-    quant) stage "${QUANT_CAP:-200}" quant python3 $BK --out "$o/quant" --only quant ;;
+    quant) stage "${QUANT_CAP:-200}" quant python3 benchmarks/bench_rollout.py --out "$o/quant" --sections quant \
+               --quant-shapes "${QUANT_SHAPES:-1x4096,16x4096,64x1024,256x1024,256x2048,2048x512}" ;;
     ncu) stage "${NCU_CAP:-120}" ncu bash benchmarks/ncu_stage.sh "$o/ncu" ;;
     rollout_scale) stage "${ROLLOUT_SCALE_CAP:-400}" rollout_scale python3 benchmarks/bench_rollout.py --out "$o/rollout_scale" \
                --budget $(( ${ROLLOUT_SCALE_CAP:-400} - 30 )) ${ROLLOUT_SCALE_ARGS:-} ;;
