@@ -2,7 +2,7 @@
 # One device call (<= 10 min) for what the open issues still need measured; each stage has its
 # own time cap, and what a stage measured survives a later one's failure. Stages (STAGES picks
 # a subset by name and their order; the default order is most-needed first):
-#   gpu_tests     pytest -m gpu: every compiled kernel against its XLA reference
+#   gpu_tests     pytest -m gpu: every compiled kernel against its XLA reference (GPU_TESTS_K: a -k expression)
 #   train         the trainer-scale benchmark (benchmarks/bench_train.py; TRAIN_ARGS)
 #   rollout       output tok/s, 256 prompts x 512 new tokens, batch 64, every recipe
 #   rollout_scale benchmarks/bench_rollout.py: decode steps vs their byte limit across batches,
@@ -49,7 +49,8 @@ run_stage() {
     sass) stage 60 sass python3 $BK --out "$o/sass" --only sass ;;
     decode) stage "${DECODE_CAP:-170}" decode python3 $BK --out "$o/decode" --only ceilings,decode ${DECODE_QUICK:+--quick} ;;
     grouped) stage "${GROUPED_CAP:-100}" grouped python3 $BK --out "$o/grouped" --only grouped ;;
-    gpu_tests) stage "${GPU_TESTS_CAP:-150}" gpu_tests python3 -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider ${GPU_TESTS_ARGS:-} ;;
+    gpu_tests) stage "${GPU_TESTS_CAP:-150}" gpu_tests python3 -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider \
+                 ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} ;;
     train) stage "${TRAIN_CAP:-330}" train python3 benchmarks/bench_train.py --out "$o/train" --budget $(( ${TRAIN_CAP:-330} - 90 )) ${TRAIN_ARGS:-} ;;
     quant) stage "${QUANT_CAP:-200}" quant python3 benchmarks/bench_rollout.py --out "$o/quant" --sections quant \
                --quant-shapes "${QUANT_SHAPES:-1x4096,16x4096,64x1024,256x1024,256x2048,2048x512}" ;;
