@@ -486,11 +486,11 @@ def sweep_candidates(base):
     """Decode variants at the heuristic's tiles, then tile shapes with the variants."""
     import dataclasses as dc
 
-    out = [dc.replace(base, decode=d, scale_load=sl) for d in ("arith", "bits") for sl in ("reshape", "gather")]
+    out = [dc.replace(base, decode=d) for d in ("bits", "prmt") if d != base.decode]
     for bn, bk, split, warps, stages in [(32, 256, None, 4, 4), (128, 256, None, 4, 4), (128, 256, None, 8, 3),
                                          (64, 512, None, 4, 3), (64, 128, None, 4, 4), (256, 128, None, 8, 3),
                                          (64, 256, 1, 4, 4), (64, 256, 8, 4, 4), (128, 128, 4, 4, 4), (32, 512, 2, 4, 3)]:
-        for d in ("arith", "bits"):
+        for d in ("prmt", "words") if bk >= 128 else ("prmt",):
             out.append(dc.replace(base, block_n=bn, block_k=bk, split_k=base.split_k if split is None else split,
                                   num_warps=warps, num_stages=stages, decode=d))
     return out
@@ -525,7 +525,7 @@ def sweep(measure, copy_tbps=None, shapes=((16, 4096, 14336), (64, 2048, 768)), 
         for i, cfg in enumerate((candidates or sweep_candidates)(base)):
             if k % (cfg.block_k * cfg.split_k):
                 continue
-            row = {"T": t, "K": k, "N": n, **{f: getattr(cfg, f) for f in ("block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages", "decode", "scale_load", "swap_ab", "act_load")}}
+            row = {"T": t, "K": k, "N": n, **{f: getattr(cfg, f) for f in ("block_m", "block_n", "block_k", "split_k", "num_warps", "num_stages", "decode", "swap_ab", "act_load")}}
             try:
                 # rho 0 for every config; rho 0.5 (both RAC sums) for the first rac_configs
                 runs = (("rho0", None, ref0, "fp16"), ("rho0.5", rq, refs["fp16"], "fp16"), ("rho0.5_exact", rq, refs["exact"], "exact"))

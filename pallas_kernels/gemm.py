@@ -130,12 +130,7 @@ def make_loaders(*, a_refs, w_refs, act_sl, act_ok, col_sl, col_ok, cfg, interpr
             ws = plgpu.load(ws_ref.at[(*w_index, col_sl, pl.ds(kt * (bk // 16), bk // 16))], mask=col_ok, other=0)
             return decode_words(wc, ws, bn, bk, interpret, dtype)
         wc = plgpu.load(wc_ref.at[(*w_index, col_sl, pl.ds(kt * (bk // 2), bk // 2))], mask=col_ok, other=0)
-        if cfg.scale_load == "gather":  # scale byte j // 8 for packed column j: no reshape
-            rows_w = (col_sl.start + jnp.arange(bn))[:, None]
-            cols = (kt * (bk // 16) + jnp.arange(bk // 2) // 8)[None, :]
-            ws = plgpu.load(ws_ref.at[(*w_index, rows_w, cols)], mask=col_ok, other=0)
-        else:
-            ws = plgpu.load(ws_ref.at[(*w_index, col_sl, pl.ds(kt * (bk // 16), bk // 16))], mask=col_ok, other=0)
+        ws = plgpu.load(ws_ref.at[(*w_index, col_sl, pl.ds(kt * (bk // 16), bk // 16))], mask=col_ok, other=0)
         return decode_tile(wc, ws, bn, bk, cfg.decode, interpret, dtype)
 
     def load_codes(kt):

@@ -100,21 +100,17 @@ def scales_as(scale_bits, dtype):
 
 
 def decode_tile(codes, scale_bits, rows, bk, decode="bits", interpret=False, dtype=jnp.bfloat16):
-    """Packed codes [rows, bk/2] (uint8) and E4M3 scale bits, either [rows, bk/16] or
-    already one per channel pair [rows, bk/2] -> the even and odd channels' block values
-    in ``dtype``, BF16 or FP16 (exact: E2M1 x E4M3 has at most 6 significant bits), each
-    [rows, bk/2]."""
+    """Packed codes [rows, bk/2] (uint8) and E4M3 scale bits [rows, bk/16] -> the even and
+    odd channels' block values in ``dtype``, BF16 or FP16 (exact: E2M1 x E4M3 has at most 6
+    significant bits), each [rows, bk/2]. ``decode`` "prmt" (PTX byte permutes; interpret
+    mode runs "bits") or "bits" (BF16 bit patterns, one product by the scale)."""
     operand_key(dtype)
     c = codes.astype(jnp.int32)
     s = scales_as(scale_bits, dtype)
-    if s.shape[-1] != bk // 2:
-        s = jnp.broadcast_to(s[:, :, None], (rows, bk // 16, 8)).reshape(rows, bk // 2)
+    s = jnp.broadcast_to(s[:, :, None], (rows, bk // 16, 8)).reshape(rows, bk // 2)
     if decode == "prmt" and not interpret:
         return prmt_decode(codes.astype(jnp.uint8), s)
-    if decode in ("bits", "prmt"):
-        return tuple(nvfp4.decode_e2m1_bf16(v).astype(dtype) * s for v in (c & 15, c >> 4))
-    s = s.astype(jnp.float32)
-    return tuple((nvfp4.decode_e2m1_arith(v) * s).astype(dtype) for v in (c & 15, c >> 4))
+    return tuple(nvfp4.decode_e2m1_bf16(v).astype(dtype) * s for v in (c & 15, c >> 4))
 
 
 def store_even_odd(ref, rows, start, width, mask, even, odd, interpret):

@@ -23,16 +23,12 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     # Pallas only (the Triton kernel always decodes from bits with per-column scale pointers):
-    # weight-tile decode: "arith" (float32 select chain, then BF16) or "bits" (BF16 bit
-    # patterns, one BF16 product by the scale) or "prmt" (four code bytes at a time through
+    # weight-tile decode: "bits" (BF16 bit patterns, one BF16 product by the scale) or "prmt" (four code bytes at a time through
     # PTX byte permutes, pallas_kernels.tile_math; compiled kernels only, interpret mode runs
     # "bits"), or "words" (codes as uint32 words of 8, four PTX programs a word, eight K parts:
     # no uint8 repacking; compiled kernels use PTX, interpret mode the bit decode); all exact,
     # so the same numbers
     decode: str = "bits"
-    # block scales: "reshape" (load [rows, bk/16], broadcast + reshape in registers) or
-    # "gather" (load each scale byte once per channel pair: [rows, bk/2], no reshape)
-    scale_load: str = "reshape"
     # Pallas only: compute the tile as (W @ A.T).T, so the weight (block_n rows) is the MMA's
     # M operand and the few tokens its N. Hopper's wgmma needs M >= 64 but takes N = 8..256,
     # and can read its M operand from registers, where the weight is decoded; unswapped, a
@@ -56,10 +52,6 @@ class GemmConfig:
             raise ValueError(f"GemmConfig.act_load={self.act_load!r}: expected one of {ACT_LOADS}")
         if self.path not in PATHS:
             raise ValueError(f"GemmConfig.path={self.path!r}: expected one of {PATHS}")
-        if self.scale_load not in SCALE_LOADS:
-            raise ValueError(f"GemmConfig.scale_load={self.scale_load!r}: expected one of {SCALE_LOADS}")
-        if self.decode == "words" and self.scale_load != "reshape":
-            raise ValueError("GemmConfig.decode='words' loads one scale per 16 channels: it needs scale_load='reshape'")
         if self.decode == "words" and self.block_k < 128:
             raise ValueError(f"GemmConfig.block_k={self.block_k}: decode='words' splits a K tile in 8 MMAs of block_k / 8 >= 16 channels")
         for f in ("block_m", "block_n", "block_k"):
@@ -70,8 +62,7 @@ class GemmConfig:
             raise ValueError(f"GemmConfig.block_k={self.block_k}: expected >= 32 (two 16-channel blocks)")
 
 
-DECODES = ("arith", "bits", "prmt", "words")
-SCALE_LOADS = ("reshape", "gather")
+DECODES = ("bits", "prmt", "words")
 PATHS = ("fused", "dequant")
 ACT_LOADS = ("codes", "values")
 PREFILL_DEQUANT_MIN_T = 512  # token count from which the dense GEMM takes path="dequant"

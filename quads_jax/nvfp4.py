@@ -202,13 +202,6 @@ def decode_e2m1(codes, dtype=jnp.float32):
     return jnp.asarray(E2M1_VALUES, dtype)[jnp.asarray(codes, jnp.int32) & 0xF]
 
 
-def decode_e2m1_arith(c):
-    """4-bit codes (int32) -> float32 E2M1 values without a table (for kernels)."""
-    m = (c & 7).astype(jnp.float32)
-    mag = jnp.where(m <= 4.0, 0.5 * m, m - 2.0 + (m == 7.0).astype(jnp.float32))
-    return jnp.where((c & 8) != 0, -mag, mag)
-
-
 def decode_e2m1_bf16(c):
     """4-bit codes (int32) -> BF16 E2M1 values built from bits (for kernels): the
     magnitude's BF16 pattern is ``(m + 252) << 6`` for the normal codes m = 2..7 and
