@@ -569,7 +569,6 @@ def triton_parity(measure):
             xq, rq = quantize_activations_rac(x, rac_ratio=rho, act_scale="token", backend="pallas")
             gw = jnp.reshape(jnp.asarray(w.global_scale, jnp.float32), (1,))
             cfg = NM.gemm_config(t, n, k)
-            rr = None if rq is None else (rq.codes, NM._bits(rq.scales))
             # the plugin adds the two RAC products in FP32: the exact sum
             pallas = lambda xq, rq: NM._gemm_call(*NM.activation_operands(x, xq, rq, cfg, "exact"), (w.codes,), (NM._bits(w.scales),), (gw,), cfg=cfg, out_dtype=jnp.float32, interpret=False)[0]
             jt = lambda xq, rq: triton_nvfp4_matmul(xq, rq, w, out_dtype=jnp.float32)
@@ -626,7 +625,6 @@ def torch_baselines():
             try:
                 a8 = a.to(torch.float8_e4m3fn)
                 b8 = b.to(torch.float8_e4m3fn)
-                sa = torch.ones(t, 1, device="cuda")
                 sb = torch.ones(1, n, device="cuda")
                 tp = max(16, t)
                 a8p = torch.zeros(tp, k, device="cuda", dtype=torch.float8_e4m3fn)

@@ -260,7 +260,6 @@ def kernels_per_step(eng, batch, live, top=14):
     """CUPTI time of each kernel (us, summed over its launches) in one decode step: a 16-step
     burst (the engine's loop, not donated here) profiled, divided by 16; the ``top`` largest
     names, the rest as "other", and "total"."""
-    import jax
     import jax.numpy as jnp
 
     from quads_jax.model.layers import init_kv_cache

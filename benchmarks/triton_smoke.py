@@ -29,7 +29,7 @@ try:
         ref = N.quads_linear(x, wc, ws.view(torch.float8_e4m3fn), gw, rac_ratio=rho, out_dtype=torch.float32)
         got = TG.quads_linear_triton(x, wc, ws.view(torch.float8_e4m3fn), gw, rac_ratio=rho, out_dtype=torch.float32)
         out[f"torch_triton_rho{rho}_rel_vs_torch_ref"] = float((got - ref).norm() / ref.norm())
-except Exception as e:
+except Exception:
     out["torch_error"] = traceback.format_exc()[-1500:]
 print(json.dumps(out), flush=True)
 try:
@@ -47,13 +47,13 @@ try:
         a = np.asarray(triton_nvfp4_matmul(xq, rq, w, out_dtype=jnp.float32))
         b = np.asarray(nvfp4_matmul(xj, w, rac_ratio=rho, act_scale="token", backend="pallas", out_dtype=jnp.float32))
         out[f"jax_triton_rho{rho}_rel_vs_pallas"] = float(np.linalg.norm(a - b) / np.linalg.norm(b))
-except Exception as e:
+except Exception:
     out["jax_error"] = traceback.format_exc()[-1500:]
 print(json.dumps(out), flush=True)
 try:  # a torch launch after jax-triton's import (which blanks TRITON_CACHE_DIR unless undone)
     got = TG.quads_linear_triton(x, wc, ws.view(torch.float8_e4m3fn), gw, rac_ratio=0.25, out_dtype=torch.float32)
     ref = N.quads_linear(x, wc, ws.view(torch.float8_e4m3fn), gw, rac_ratio=0.25, out_dtype=torch.float32)
     out["torch_after_jax_triton_rho0.25_rel_vs_torch_ref"] = float((got - ref).norm() / ref.norm())
-except Exception as e:
+except Exception:
     out["torch_after_jax_triton_error"] = traceback.format_exc()[-1500:]
 print(json.dumps(out, indent=1))
