@@ -9,7 +9,7 @@ Sections (each one's results are written as soon as it ends; a time-out keeps th
     ceilings  copy bandwidth (read + write of 2 GiB) and the BF16 matmul rate, this process
     quant     the RAC activation quantizer at the rollout's sizes (T tokens of K = d_model, and the
               T x top-k routed rows of the expert down projection): the default config, one
-              program a row, 2 and 4 a row, rank and bisection selections, rho 0 and 0.5, each
+              program a row, 2 and 4 a row, rank, bisection and radix selections, rho 0 and 0.5, each
               bit-checked against the XLA reference and timed (CUPTI, or "wall" where it gave none)
     peer      the MoE expert GEMM at decode sizes, at the bench model's shapes and Qwen3-30B-A3B's
               (2048 -> 768, 128 experts, top-8): ours (W4A4 + RAC, W4A4, W4A16; quantizing the
@@ -183,7 +183,7 @@ def quant(measure, shapes=((64, 1024), (256, 1024), (256, 2048), (2048, 512))):
             ref = pk.quantize_activations_rac(x, rac_ratio=rho, act_scale="token", backend="xla")
             row = {}
             for name, cfg in cfgs.items():
-                for select in (("auto",) if rho == 0 else ("rank", "bisect")):
+                for select in (("auto",) if rho == 0 else ("rank", "bisect", "radix")):
                     c = dataclasses.replace(cfg, select=select)
                     f = lambda v, c=c: pk.quantize_activations_rac(v, rac_ratio=rho, act_scale="token", backend="pallas", config=c)
                     key = name if rho == 0 else f"{name}_{select}"

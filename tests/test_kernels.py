@@ -444,7 +444,7 @@ def test_quantizer_row_split_is_bit_identical(rng, act_scale, rac_mode):
     x = jnp.asarray(blocks.reshape(11, 512)).astype(jnp.bfloat16).at[4].set(0.0)  # and an all-zero token
     for rho in (0.0, 0.25):
         xa, ra = pk.quantize_activations_rac(x, rac_ratio=rho, rac_mode=rac_mode, act_scale=act_scale, backend="xla")
-        for parts, chunk, select in ((2, 128, "rank"), (4, 64, "bisect"), (8, 64, "auto")):
+        for parts, chunk, select in ((2, 128, "rank"), (4, 64, "bisect"), (2, 64, "radix"), (8, 64, "auto")):
             cfg = pk.QuantConfig(chunk=chunk, parts=parts, select=select)
             xb, rb = pk.quantize_activations_rac(x, rac_ratio=rho, rac_mode=rac_mode, act_scale=act_scale, backend="pallas", config=cfg)
             for a, b in ((xa, xb), (ra, rb)) if rho else ((xa, xb),):
@@ -466,8 +466,8 @@ def test_quant_config_splits_rows_at_decode_sizes():
         assert (k // cfg.parts) % cfg.chunk == 0 and cfg.chunk // 2 >= 32 * cfg.num_warps
 
 
-@pytest.mark.parametrize("select", ["bisect", "rank"])
-def test_rac_selection_rank_and_bisection_equal_xla_with_ties(rng, select):
+@pytest.mark.parametrize("select", ["bisect", "rank", "radix"])
+def test_rac_selections_equal_xla_with_ties(rng, select):
     x = heavy(rng, (9, 512))
     blocks = x.reshape(9, 32, 16)
     blocks[1] = blocks[1, :1]  # every block of token 1 equal: all tie, all selected
