@@ -160,15 +160,16 @@ def _tokamax_quant(xs, w, gs):
 # ----------------------------------------------------------------------------- quantizer
 
 
-def quant(measure, shapes=((64, 1024), (256, 1024), (256, 2048), (2048, 512))):
+def quant(measure, shapes=((64, 1024), (256, 1024), (256, 2048), (2048, 512)), out=None, on_shape=lambda: None):
     """The activation quantizer's layouts at rollout sizes: us per call, and whether its bits
-    equal the XLA reference's."""
+    equal the XLA reference's. Rows go into ``out`` as they are measured (``on_shape`` after
+    each shape: a time-out keeps what was done)."""
     import jax.numpy as jnp
 
     import pallas_kernels as pk
     from pallas_kernels.quantizer import quant_config
 
-    out = {}
+    out = {} if out is None else out
     rng = np.random.default_rng(3)
     for t, k in shapes:
         # heavy-tailed channels, as activations are: per-channel magnitudes spread over e^(+-2)
@@ -198,6 +199,7 @@ def quant(measure, shapes=((64, 1024), (256, 1024), (256, 2048), (2048, 512))):
                         row[key] = {"error": f"{type(e).__name__}: {e}"[:300]}
                     print(f"quant T={t} K={k} rho={rho} {key}: {row[key].get('us', row[key].get('error'))}", flush=True)
             out[f"T{t}_K{k}_rho{rho}"] = row
+            on_shape()
     return out
 
 
@@ -443,7 +445,8 @@ def main():
             RES["errors"]["ceilings"] = f"{type(e).__name__}: {e}"[:600]
         save(a.out)
     copy = (RES["sections"].get("ceilings") or {}).get("copy_TBps")
-    for name, fn in (("quant", lambda: quant(measure, shapes=((8, 256),) if a.tiny else [tuple(map(int, v.split("x"))) for v in a.quant_shapes.split(",")])),
+    for name, fn in (("quant", lambda: quant(measure, shapes=((8, 256),) if a.tiny else [tuple(map(int, v.split("x"))) for v in a.quant_shapes.split(",")],
+                                            out=RES["sections"].setdefault("quant", {}), on_shape=lambda: save(a.out))),
                      ("peer", lambda: peer(measure, copy, tiny=a.tiny))):
         if name in sections:
             try:
