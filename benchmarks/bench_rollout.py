@@ -17,7 +17,8 @@ Sections (each one's results are written as soon as it ends; a time-out keeps th
               int4 weight-only kernels, and lax.ragged_dot; each checked against FP32 products
     sweep     bench_model.BIG through the rollout engine (``--profile-batches``: a per-kernel
               CUPTI breakdown of one decode step at those batches): for each recipe and batch, output
-              tok/s over ``--prompts`` prompts x ``--new-tokens`` tokens (64-token prompts), the
+              tok/s over ``--prompts`` prompts x ``--new-tokens`` tokens (64-token prompts; timed
+              after one untimed full wave of ``batch`` requests, so no compilation counts), the
               time of one decode step (a donated 16-step burst at the run's mean cache length,
               divided by 16), and the step's byte limit: the weight bytes a step reads (every
               non-expert weight, the experts its tokens are routed to, in expectation under
@@ -311,7 +312,8 @@ def sweep(cfg, params, recipes, batches, prompts, new_tokens, copy_tbps, out_dir
                 limit = (wb + kv) / (copy_tbps * 1e12)
                 row = {"step_ms": step * 1e3, "byte_limit_ms": limit * 1e3, "x_byte_limit": step / limit,
                        "weight_MB_per_step": wb / 1e6, "kv_MB_per_step": kv / 1e6, "compile_s": compile_s}
-                if time.time() + n_req * new_tokens / batch * step * 1.5 < deadline:
+                if time.time() + (n_req + batch) * new_tokens / batch * step * 1.5 < deadline:
+                    eng.generate(reqs[:batch])  # one full wave untimed: every burst and prefill shape compiled
                     t0 = time.perf_counter()
                     res = eng.generate(reqs)
                     dt = time.perf_counter() - t0
