@@ -235,8 +235,33 @@ def _linear_one(x2, w, mode, *, dtype, backend, operand_dtype):
         return pk.fp8_matmul(x2.astype(jnp.bfloat16), w, backend=backend, out_dtype=dtype)
     od = operand_dtype
     a, b = _float_operands(x2.astype(od), w, mode)
-    return jax.lax.dot_general(a.astype(od), b.astype(od), (((1,), (1,)), ((), ())),
-                               preferred_element_type=jnp.float32).astype(dtype)
+    return _dot_nt(a.astype(od), b.astype(od)).astype(dtype)
+
+
+@jax.custom_vjp
+def _dot_nt(a, b):
+    """a [T, K] @ b [N, K].T with FP32 accumulation and an FP32 result, whose backward
+    products read the cotangent in the operands' type: with low-precision operands JAX's own
+    transpose would multiply the FP32 cotangent by them in FP32 (TF32 GEMMs on Hopper, at
+    half the BF16 rate: 13.5 ms of a 188 ms train step at 32k tokens, the head's two backward
+    products, in benchmarks/results/2026-12-05-h100-train-nvfp4w). Rounding the cotangent
+    of the logits to BF16 is the usual mixed-precision backward; accumulation stays FP32."""
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _dot_nt_fwd(a, b):
+    return _dot_nt(a, b), (a, b)
+
+
+def _dot_nt_bwd(res, g):
+    a, b = res
+    g = g.astype(jnp.promote_types(a.dtype, b.dtype))
+    da = jax.lax.dot_general(g, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32).astype(a.dtype)
+    db = jax.lax.dot_general(g, a, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32).astype(b.dtype)
+    return da, db
+
+
+_dot_nt.defvjp(_dot_nt_fwd, _dot_nt_bwd)
 
 
 def quantize_rows_for(x, w, mode: str, *, rac_ratio: float = 0.0, backend=None):

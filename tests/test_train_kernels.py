@@ -188,3 +188,38 @@ def test_config_errors_name_the_field():
         pk.KernelConfig(attention="flash")
     with pytest.raises(ValueError, match="unknown keys"):
         pk.KernelConfig.from_dict({"grouped": "xla", "tiles": 3})
+
+
+def _dot_operand_dtypes(jaxpr):
+    """The operand dtypes of every dot_general in a jaxpr and the jaxprs nested in it."""
+    out = []
+    for e in jaxpr.eqns:
+        if e.primitive.name == "dot_general":
+            out.append(tuple(str(v.aval.dtype) for v in e.invars))
+        for p in e.params.values():
+            for sub in p if isinstance(p, (tuple, list)) else (p,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    out += _dot_operand_dtypes(inner)
+    return out
+
+
+def test_head_backward_multiplies_in_the_operand_type():
+    """The head's FP32 logits from BF16 operands: its backward products read the cotangent in
+    BF16 (no FP32 x BF16 product, which XLA runs as a TF32 GEMM), and its gradients equal
+    JAX's own transpose within BF16 rounding of the cotangent."""
+    rng = np.random.default_rng()
+    x = jnp.asarray(rng.standard_normal((24, 64)), jnp.bfloat16)
+    w = jnp.asarray(rng.standard_normal((40, 64)) / 8, jnp.bfloat16)
+    dn = (((1,), (1,)), ((), ()))
+    weights = jnp.arange(40.0)
+    loss = lambda x, w: jnp.sum(jax.nn.log_softmax(P.linear(x, w, "bf16", dtype=jnp.float32, operand_dtype=jnp.bfloat16)) * weights)
+    ref = lambda x, w: jnp.sum(jax.nn.log_softmax(jax.lax.dot_general(x, w, dn, preferred_element_type=jnp.float32)) * weights)
+    np.testing.assert_array_equal(np.asarray(loss(x, w)), np.asarray(ref(x, w)))
+    dots = _dot_operand_dtypes(jax.make_jaxpr(jax.grad(loss, (0, 1)))(x, w).jaxpr)
+    assert len(dots) == 3 and all(d == ("bfloat16", "bfloat16") for d in dots), dots
+    assert any("float32" in d for d in _dot_operand_dtypes(jax.make_jaxpr(jax.grad(ref, (0, 1)))(x, w).jaxpr))  # JAX's own
+    got, want = jax.grad(loss, (0, 1))(x, w), jax.grad(ref, (0, 1))(x, w)
+    for g, r in zip(got, want):
+        g, r = np.asarray(g, np.float32), np.asarray(r, np.float32)
+        assert np.abs(g - r).max() <= 2**-7 * np.abs(r).max()
