@@ -89,10 +89,8 @@ def quant_config(t: int, k: int, num_sms: int | None = None, split: bool = True)
     tokens and more take two rows a program. ``split=False``: one program per row at any size
     (the layout the benchmarks keep as a baseline).
 
-    Why two parts at any T: on an H100 (benchmarks/results/2026-12-05-h100-rollout-scale) one
-    program a row was the slow layout at every size measured, with or without RAC: 21.8 us
-    against 2.9 us for two a row at T=256, K=2048 without RAC, and with RAC the quantizer took
-    9.3 ms of quads' 12.4 ms decode step at batch 256, where T=64 (two a row) cost 16 us a call."""
+    Two parts at any T because one program a row measured slow at every rollout size, with or
+    without RAC (benchmarks/results/2026-12-05-h100-rollout-scale)."""
     num_sms = num_sms or device_sms()
     block_rows = 1 if t < 1024 else 2
     programs = -(-t // block_rows)

@@ -96,10 +96,8 @@ def gemm_config(t: int, n: int, k: int, programs_per_row_tile: int = 1, stacked:
     word decode keeps 128 (97 us against 107).
 
     The decode tiles serve up to PREFILL_DEQUANT_MIN_T tokens (the RL rollout's batches of 64
-    to 512): at batch 256 the square-tile fused GEMM this heuristic gave from T=256 on (bits
-    decode, no split-K: 16-48 programs on 132 SMs) took 39 us a dense launch on an H100, 622
-    us of nvfp4's 3.3 ms decode step, for weights of ~1 MB (benchmarks/results/
-    2026-12-05-h100-rollout-scale)."""
+    to 512): square tiles without split-K leave most SMs idle there (16-48 programs for the
+    bench model's weights at T=256; benchmarks/results/2026-12-05-h100-rollout-scale)."""
     if t >= PREFILL_DEQUANT_MIN_T:
         bk = 64 if k % 64 == 0 else 32
         path = "dequant" if t >= PREFILL_DEQUANT_MIN_T and programs_per_row_tile == 1 else "fused"

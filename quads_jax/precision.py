@@ -241,11 +241,10 @@ def _linear_one(x2, w, mode, *, dtype, backend, operand_dtype):
 @jax.custom_vjp
 def _dot_nt(a, b):
     """a [T, K] @ b [N, K].T with FP32 accumulation and an FP32 result, whose backward
-    products read the cotangent in the operands' type: with low-precision operands JAX's own
-    transpose would multiply the FP32 cotangent by them in FP32 (TF32 GEMMs on Hopper, at
-    half the BF16 rate: 13.5 ms of a 188 ms train step at 32k tokens, the head's two backward
-    products, in benchmarks/results/2026-12-05-h100-train-nvfp4w). Rounding the cotangent
-    of the logits to BF16 is the usual mixed-precision backward; accumulation stays FP32."""
+    products read the cotangent in the operands' type. With low-precision operands JAX's own
+    transpose multiplies the FP32 cotangent by them in FP32, which XLA runs as TF32 GEMMs on
+    Hopper, at half the BF16 rate. Rounding the cotangent to BF16 is the usual mixed-precision
+    backward; accumulation stays FP32."""
     return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
 
 
