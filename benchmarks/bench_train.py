@@ -55,14 +55,16 @@ def matmul_peak():
     return 2 * n**3 / median_s(f, a, b, n=20)
 
 
-def kernel_breakdown(fn, args, top=12):
-    """CUPTI kernel times (ms) of one call of ``fn``, summed by kernel name."""
+def kernel_breakdown(fn, args, top=30):
+    """CUPTI kernel times (ms) of one call of ``fn``, summed by kernel name: the ``top``
+    largest, the rest as "other_ms", and "total_ms"."""
     from jax.experimental.mosaic.gpu import profiler
     _, per_iter = profiler.measure(fn, aggregate=False, iterations=2)(*args)
     agg = collections.Counter()
     for name, ms in per_iter[-1]:
         agg[name.split(".")[0][:60]] += ms
     out = dict(agg.most_common(top))
+    out["other_ms"] = sum(agg.values()) - sum(out.values())
     out["total_ms"] = sum(agg.values())
     return out
 
