@@ -233,50 +233,47 @@ def kv_bytes_per_step(cfg, batch, live, dtype_bytes=2):
     return batch * (live + 1) * per_token
 
 
+def _burst_args(eng, batch, live):
+    """Arguments of the engine's decode burst for ``batch`` rows of about ``live`` cached
+    tokens (a fresh cache; every row alive, temperature 1, no filtering)."""
+    import jax.numpy as jnp
+
+    from quads_jax.model.layers import init_kv_cache
+
+    b = batch
+    cache = init_kv_cache(eng.cfg, b, eng.cache_len)
+    cache["lengths"] = jnp.full((b,), live, jnp.int32)
+    return [eng._state, np.ones(b, np.int32), np.ones(b, bool), cache, np.ones(b, np.float32), np.ones(b, np.float32),
+            np.zeros(b, np.int32), np.arange(b, dtype=np.uint32), np.full(b, live, np.int32), np.full(b, 10**6, np.int32),
+            np.full((b, eng.max_stop_ids), -1, np.int32), np.int32(eng.decode_burst), np.zeros(b, bool)]
+
+
 def step_seconds(eng, batch, live, bursts=6):
     """Seconds of one decode step at a cache length of about ``live``: donated 16-step bursts
     (the engine's own jitted loop), timed after a first one, divided by the steps."""
     import jax
     import jax.numpy as jnp
 
-    from quads_jax.model.layers import init_kv_cache
-
-    n = eng.decode_burst
-    cache = init_kv_cache(eng.cfg, batch, eng.cache_len)
-    start = max(1, live - n * bursts // 2)
-    cache["lengths"] = jnp.full((batch,), start, jnp.int32)
-    b = batch
-    args = lambda: (eng._state, np.ones(b, np.int32), np.ones(b, bool))
-    rest = (np.ones(b, np.float32), np.ones(b, np.float32), np.zeros(b, np.int32), np.arange(b, dtype=np.uint32),
-            np.full(b, start, np.int32), np.full(b, 10**6, np.int32), np.full((b, eng.max_stop_ids), -1, np.int32), np.int32(n), np.zeros(b, bool))
-    out, cache = eng._burst(*args(), cache, *rest)
+    start = max(1, live - eng.decode_burst * bursts // 2)
+    args = _burst_args(eng, batch, start)
+    out, args[3] = eng._burst(*args)
     jax.block_until_ready(out)
-    cache["lengths"] = jnp.full((batch,), start, jnp.int32)
+    args[3]["lengths"] = jnp.full((batch,), start, jnp.int32)
     t0 = time.perf_counter()
     for _ in range(bursts):
-        out, cache = eng._burst(*args(), cache, *rest)
+        out, args[3] = eng._burst(*args)
     jax.block_until_ready(out)
-    return (time.perf_counter() - t0) / (bursts * n)
+    return (time.perf_counter() - t0) / (bursts * eng.decode_burst)
 
 
 def kernels_per_step(eng, batch, live, top=14):
     """CUPTI time of each kernel (us, summed over its launches) in one decode step: a 16-step
     burst (the engine's loop, not donated here) profiled, divided by 16; the ``top`` largest
     names, the rest as "other", and "total"."""
-    import jax.numpy as jnp
-
-    from quads_jax.model.layers import init_kv_cache
-
-    n, b = eng.decode_burst, batch
-    cache = init_kv_cache(eng.cfg, b, eng.cache_len)
-    cache["lengths"] = jnp.full((b,), live, jnp.int32)
-    args = (eng._state, np.ones(b, np.int32), np.ones(b, bool), cache, np.ones(b, np.float32), np.ones(b, np.float32),
-            np.zeros(b, np.int32), np.arange(b, dtype=np.uint32), np.full(b, live, np.int32), np.full(b, 10**6, np.int32),
-            np.full((b, eng.max_stop_ids), -1, np.int32), np.int32(n), np.zeros(b, bool))
     per = {}
-    for key, us in BK.breakdown(eng._burst_impl, *args, iterations=5).items():
+    for key, us in BK.breakdown(eng._burst_impl, *_burst_args(eng, batch, live), iterations=5).items():
         name = key.split(":", 1)[1]
-        per[name] = per.get(name, 0.0) + us / n
+        per[name] = per.get(name, 0.0) + us / eng.decode_burst
     ranked = sorted(per.items(), key=lambda kv: -kv[1])
     out = dict(ranked[:top])
     out["other"] = sum(v for _, v in ranked[top:])

@@ -159,11 +159,8 @@ def grouped_dot_fp8(x, values, group_sizes, *, impl: str = "auto", tiles: Tiles 
     ``tiles`` None: ``quantized_weight_tiles``."""
     if values.ndim != 3 or values.dtype != jnp.float8_e4m3fn:
         raise ValueError(f"values: expected float8_e4m3fn [E, N, K], got {values.dtype}{tuple(values.shape)}")
+    _check(x, values, group_sizes)
     e, n, k = values.shape
-    if x.ndim != 2 or x.shape[1] != k:
-        raise ValueError(f"x: expected [M, {k}], got shape {x.shape}")
-    if group_sizes.shape != (e,):
-        raise ValueError(f"group_sizes: expected shape ({e},), got {group_sizes.shape}")
     gs = group_sizes.astype(jnp.int32)
     x = x.astype(jnp.bfloat16)
     if KernelConfig(grouped=impl).resolved_grouped() == "xla" or jax.default_backend() != "gpu":

@@ -100,7 +100,7 @@ def gemm_config(t: int, n: int, k: int, programs_per_row_tile: int = 1, stacked:
     bench model's weights at T=256; benchmarks/results/2026-12-05-h100-rollout-scale)."""
     if t >= PREFILL_DEQUANT_MIN_T:
         bk = 64 if k % 64 == 0 else 32
-        path = "dequant" if t >= PREFILL_DEQUANT_MIN_T and programs_per_row_tile == 1 else "fused"
+        path = "dequant" if programs_per_row_tile == 1 else "fused"
         return GemmConfig(block_m=128, block_n=128, block_k=bk, num_warps=8, num_stages=3, path=path)
     grouped = programs_per_row_tile > 1
     sms = num_sms or device_sms()

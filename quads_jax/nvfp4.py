@@ -396,7 +396,12 @@ def quantize_blocks(xb, amax16, gs, *, block_max=E2M1_MAX, key=None, arith: Arit
     return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(q, jnp.int32) | sign, jnp.float32), s
 
 
-def _check_quantize_args(x, axis, rounding, key, block_shape):
+def _grid_values(x, *, global_scale=None, axis: int = -1, rounding: str = "rne", key=None,
+                 block_shape: Sequence[int] = (1, 16), keep_axes: Sequence[int] = (), four_over_six: bool = False):
+    """``quantize``'s recipe up to the grid, its arguments checked: (E2M1 values [..., K/16,
+    16] float32, block scales [..., K/16] on the E4M3 grid, the global scale, lead shape, K,
+    the quantized axis) with that axis moved last. ``quantize`` encodes these; the fake quant
+    multiplies them back (the same numbers as dequantize(quantize(x)), without the codes)."""
     x, axis, block_shape = _check_input(x, axis, block_shape)
     if rounding not in ROUNDINGS:
         raise ValueError(f"rounding={rounding!r}: expected one of {ROUNDINGS}")
@@ -408,14 +413,6 @@ def _check_quantize_args(x, axis, rounding, key, block_shape):
             )
     elif key is not None:
         raise ValueError("key: only used with rounding='stochastic'; got rounding='rne'")
-    return x, axis, block_shape
-
-
-def _grid_values(x, global_scale, axis, key, block_shape, keep_axes, four_over_six):
-    """The recipe up to the grid: (E2M1 values [..., K/16, 16] float32, block scales
-    [..., K/16] on the E4M3 grid, the global scale, that scale moved like the blocks, lead
-    shape, K) with ``axis`` moved last. ``quantize`` encodes these; the fake quant multiplies
-    them back (the same numbers as dequantize(quantize(x)), without the codes)."""
     scale_max = 256.0 if four_over_six else E4M3_MAX
     xf = x.astype(jnp.float32)
     if global_scale is None:
@@ -452,7 +449,7 @@ def _grid_values(x, global_scale, axis, key, block_shape, keep_axes, four_over_s
         use4 = err4 < err6
         q = jnp.where(use4[..., None], q4, q)
         s = jnp.where(use4, s4, s)
-    return q, s, gs, gsb, lead, k
+    return q, s, gs, lead, k, axis
 
 
 def quantize(
@@ -478,12 +475,12 @@ def quantize(
     four_over_six: per block, map the block max to 6 or to 4, whichever gives the lower
                    squared error; the dynamic global scale then uses 256 instead of 448.
     """
-    x, axis, block_shape = _check_quantize_args(x, axis, rounding, key, block_shape)
-    q, s, gs, gsb, lead, k = _grid_values(x, global_scale, axis, key, block_shape, keep_axes, four_over_six)
+    q, s, gs, lead, k, axis = _grid_values(x, global_scale=global_scale, axis=axis, rounding=rounding, key=key,
+                                           block_shape=block_shape, keep_axes=keep_axes, four_over_six=four_over_six)
     codes = encode_e2m1(q.reshape(*lead, k))
     codes = jnp.moveaxis(pack_codes(codes, -1), -1, axis)
     scales = jnp.moveaxis(s, -1, axis).astype(jnp.float8_e4m3fn)
-    return NVFP4Tensor(codes=codes, scales=scales, global_scale=gs, shape=tuple(x.shape), axis=axis)
+    return NVFP4Tensor(codes=codes, scales=scales, global_scale=gs, shape=tuple(jnp.shape(x)), axis=axis)
 
 
 def _block_amax_2d(xf, axis):
@@ -553,13 +550,7 @@ def _fq_forward(x, kw):
     """dequantize(quantize(x)) computed from the grid values directly (no codes packed and
     unpacked: fewer passes over a weight each QAT step), bit for bit the same numbers."""
     kw = dict(kw)
-    unknown = set(kw) - {"global_scale", "axis", "rounding", "key", "block_shape", "keep_axes", "four_over_six"}
-    if unknown:
-        raise TypeError(f"fake_quant: unexpected arguments {sorted(unknown)}")
-    xc, axis, block_shape = _check_quantize_args(x, kw.get("axis", -1), kw.get("rounding", "rne"), kw.get("key"),
-                                                 kw.get("block_shape", (1, 16)))
-    q, s, gs, gsb, lead, k = _grid_values(xc, kw.get("global_scale"), axis, kw.get("key"), block_shape,
-                                          kw.get("keep_axes", ()), kw.get("four_over_six", False))
+    q, s, gs, lead, k, axis = _grid_values(x, **kw)
     y = jnp.moveaxis((q * s[..., None]).reshape(*lead, k), -1, axis) * gs  # block values exact in FP32, as dequantize
     limit = E2M1_MAX * (256.0 if kw.get("four_over_six") else E4M3_MAX) * gs
     inside = jnp.abs(x.astype(jnp.float32)) <= limit
