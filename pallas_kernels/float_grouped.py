@@ -26,6 +26,7 @@ layout of its sm90 quantized kernel, which reads one byte a weight and converts 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -73,37 +74,74 @@ def _pallas_dw(x, dy, *, group_sizes, ragged_dot_dimension_numbers, preferred_el
 
 
 
-def tokamax_op(tiles: GroupedTiles | None = None, kernel: str | None = None):
-    """tokamax's Mosaic GPU ragged-dot op with our tiles: for ``kernel`` "fwd", "dx" or "dw"
-    alone (no VJP of its own), or, for None, the forward op whose VJP runs the dx and dW ops."""
-    import functools
-
-    from tokamax._src.ops.ragged_dot import base, pallas_mosaic_gpu as mgpu
+def tokamax_op(tiles: GroupedTiles | None, kernel: str):
+    """One of the three expert-GEMM kernels, ``kernel`` "fwd", "dx" or "dw", with our tiles,
+    as a callable of tokamax's ragged-dot signature (no VJP of its own): tokamax's Mosaic GPU
+    kernel, or for a ``DwTiles`` dw entry our Pallas dW kernel."""
+    from tokamax._src.ops.ragged_dot import pallas_mosaic_gpu as mgpu
     tiles = tiles or GroupedTiles()
     if kernel == "dw" and isinstance(tiles.dw, DwTiles):
         return functools.partial(_pallas_dw, tiles=tiles.dw)
-    if kernel is not None:
-        return mgpu.PallasMosaicGpuRaggedDot(config=_tokamax_config(getattr(tiles, kernel), kernel))
-    vjp = functools.partial(base.vjp, dlhs_ragged_dot=tokamax_op(tiles, "dx"), drhs_ragged_dot=tokamax_op(tiles, "dw"))
-    return mgpu.PallasMosaicGpuRaggedDot(config=_tokamax_config(tiles.fwd, "fwd"), vjp=vjp)
+    return mgpu.PallasMosaicGpuRaggedDot(config=_tokamax_config(getattr(tiles, kernel), kernel))
+
+
+# the three products in the layouts tokamax's sm90 kernels read without a transpose:
+# fwd  x [M, K] @ Wt [E, K, N] (tokamax's default numbers)
+# dx   dy [M, N] @ W [E, N, K]: the stored weight is already that kernel's [E, K', N'] layout
+# dw   dy_e.T @ x_e -> [E, N, K]: the stored weight's layout, so dW needs no transpose back
+_FWD_DX = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([1], [1]), ([], [])), lhs_ragged_dimensions=[0], rhs_group_dimensions=[0])
+
+
+def _product(kernel, a, b, group_sizes, dims, tiles, on_gpu):
+    """One of the three products in ``a``'s dtype, FP32 accumulation: tokamax / our dW kernel on
+    a GPU, ``lax.ragged_dot_general`` with the same numbers elsewhere."""
+    if not on_gpu:
+        return jax.lax.ragged_dot_general(a, b, group_sizes, dims, preferred_element_type=jnp.float32).astype(a.dtype)
+    if kernel == "dw" and isinstance(tiles.dw, DwTiles):  # tiles name x's K and dy's N: a = dy, b = x here
+        tiles = dataclasses.replace(tiles, dw=dataclasses.replace(tiles.dw, block_k=tiles.dw.block_n, block_n=tiles.dw.block_k))
+    return tokamax_op(tiles, kernel)(a, b, group_sizes=group_sizes, ragged_dot_dimension_numbers=dims,
+                                     preferred_element_type=a.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _grouped_tokamax(x, w, group_sizes, tiles, on_gpu):
+    return _product("fwd", x, jnp.swapaxes(w, 1, 2), group_sizes, _FWD_DX, tiles, on_gpu)
+
+
+def _grouped_tokamax_fwd(x, w, group_sizes, tiles, on_gpu):
+    return _grouped_tokamax(x, w, group_sizes, tiles, on_gpu), (x, w, group_sizes)
+
+
+def _grouped_tokamax_bwd(tiles, on_gpu, res, dy):
+    x, w, group_sizes = res
+    dy = dy.astype(x.dtype)  # the kernels take operands of one dtype
+    dx = _product("dx", dy, w, group_sizes, _FWD_DX, tiles, on_gpu)
+    dw = _product("dw", dy, x, group_sizes, DW_DIMS, tiles, on_gpu)
+    return dx, dw.astype(w.dtype), None
+
+
+_grouped_tokamax.defvjp(_grouped_tokamax_fwd, _grouped_tokamax_bwd)
 
 
 def grouped_dot_tokamax(x, w, group_sizes, *, out_dtype=None, tiles: GroupedTiles | None = None):
-    """tokamax's grouped GEMM (Mosaic GPU on sm90), FP32 accumulation, with ``tiles``."""
+    """tokamax's grouped GEMMs (Mosaic GPU on sm90) and our dW kernel, FP32 accumulation, with
+    ``tiles``; off the GPU the same three products run through XLA.
+
+    The gradient is ours (a custom VJP), so that the weight is transposed once a step, not
+    twice: tokamax's kernels read the forward weight as [E, K, N], so the forward transposes
+    the stored [E, N, K] once; its VJP would then give dW as [E, K, N] and transpose it back
+    (each transpose ~7 ms at the bench model's 32k tokens on an H100,
+    benchmarks/results/2026-12-05-h100-train-nvfp4w). Here dx reads the stored weight as it
+    is and dW is computed as dy_e.T @ x_e, which comes out [E, N, K]."""
     _check(x, w, group_sizes)
     try:
-        import tokamax
+        import tokamax  # noqa: F401
     except ImportError as e:  # pragma: no cover - depends on the install
         raise ImportError("kernels.grouped='tokamax' needs tokamax (pip install 'quads-jax[gpu]'), "
                           "or set kernels.grouped='xla'") from e
-    impl = [tokamax_op(tiles)] if jax.default_backend() == "gpu" else "xla"  # tokamax's own XLA path off the GPU
-    # The kernel accumulates in FP32 and writes x's dtype; its VJP needs the cotangent in that
-    # dtype too (its backward GEMMs take operands of one dtype). The weight goes in as [E, K, N]
-    # with the default dimension numbers: tokamax 0.0.17 transposes a [E, N, K] weight itself
-    # in the forward pass, but its VJP then returns dW in the [E, K, N] shape (seen on an H100,
-    # 2026-12-05), so the transpose is ours, where JAX differentiates it.
-    y = tokamax.ragged_dot(x, jnp.swapaxes(w.astype(x.dtype), 1, 2), group_sizes.astype(jnp.int32),
-                           preferred_element_type=x.dtype, implementation=impl)
+    y = _grouped_tokamax(x, w.astype(x.dtype), group_sizes.astype(jnp.int32), tiles or GroupedTiles(),
+                         jax.default_backend() == "gpu")
     return y.astype(out_dtype or x.dtype)
 
 

@@ -51,6 +51,28 @@ def test_grouped_dot_matches_per_expert_products_and_grads(impl):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-4)
 
 
+def test_tokamax_grouped_dot_gradient_transposes_the_weight_once():
+    """The weight is stored [E, N, K]; tokamax's forward kernel reads [E, K, N]. The custom VJP
+    has dx read the stored weight as it is and computes dW as dy_e.T @ x_e ([E, N, K]), so a
+    train step has one weight transpose (the forward's), not a second for dW."""
+    m, e, k, n = 64, 4, 32, 16
+    x, w = jnp.ones((m, k), jnp.bfloat16), jnp.ones((e, n, k), jnp.float32)
+    gs = jnp.array([16, 0, 30, 18])
+    jaxpr = jax.make_jaxpr(jax.grad(lambda x, w: jnp.sum(pk.grouped_dot(x, w, gs, impl="tokamax").astype(jnp.float32)),
+                                    argnums=(0, 1)))(x, w)
+
+    def transposes(jx):
+        n_t = 0
+        for eq in jx.eqns:
+            n_t += eq.primitive.name == "transpose" and eq.outvars[0].aval.ndim == 3
+            for p in eq.params.values():
+                for sub in (p if isinstance(p, (list, tuple)) else [p]):
+                    if hasattr(sub, "jaxpr"):
+                        n_t += transposes(sub.jaxpr if hasattr(sub.jaxpr, "eqns") else sub.jaxpr.jaxpr)
+        return n_t
+    assert transposes(jaxpr.jaxpr) == 1
+
+
 @pytest.mark.parametrize("tiles", [pk.DwTiles(block_k=32, block_n=16, block_r=16), pk.DwTiles(block_k=16, block_n=32, block_r=32)])
 def test_pallas_grouped_dw_equals_per_expert_products(tiles):
     """Our dW kernel (interpreted here) against x_e.T @ dy_e per expert, with empty experts,
