@@ -1,15 +1,17 @@
 """Trainer-scale benchmark: one MoE train step (fwd + bwd + AdamW) per config, on one GPU.
 
-    PYTHONPATH=. python benchmarks/bench_train.py --out DIR [--quick]
+    PYTHONPATH=. python benchmarks/bench_train.py --out DIR [--configs policy:grouped:attention:remat:BxT,...]
+        [--breakdown CONFIGS] [--tune SECONDS] [--tiny]
 
 Model: bench_model.BIG (0.89B total, 64 experts, top-8, 8 layers, vocab 32000). Each config
 (policy x grouped GEMM x attention x remat x tokens) is checked for a finite loss, compiled once,
 and timed over several donated steps (wall clock around whole steps of tens to hundreds of ms).
 MFU counts 6 * active params * tokens + attention (quads_jax.train.flops) against the BF16
 peak an 8192^3 matmul reaches in the same process. Memory: XLA's compiled estimate of the step
-(arguments + temporaries + outputs - aliased) and the process peak. The expert grouped GEMM is
-also timed alone, forward + backward, against the same peak. Writes DIR/train.json and
-DIR/train.md after every config (partial results survive a time-out).
+(arguments + temporaries + outputs - aliased) and the process peak. ``--tune``: a tile sweep of
+tokamax's three expert-GEMM kernels first (the expert GEMM alone against its references is in
+bench_kernels.py, regime train_grouped). Writes DIR/train.json and DIR/train.md after every
+config (partial results survive a time-out).
 """
 
 from __future__ import annotations
@@ -17,21 +19,17 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import datetime
 import json
 import os
+import sys
 import time
 import traceback
 
 import numpy as np
 
-RES: dict = {"configs": [], "errors": {}}
-
-
-def save(out):
-    json.dump(RES, open(os.path.join(out, "train.json"), "w"), indent=1, default=str)
-    open(os.path.join(out, "train.md"), "w").write(markdown(RES))
-
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness as H  # noqa: E402
+from bench_model import BIG  # noqa: E402
 
 def median_s(fn, *args, n=10):
     """Median wall seconds of ``fn(*args)`` to ready, over ``n`` calls (after a compiled one)."""
@@ -42,79 +40,6 @@ def median_s(fn, *args, n=10):
         jax.block_until_ready(fn(*args))
         ts.append(time.perf_counter() - t0)
     return float(np.median(ts))
-
-
-def matmul_peak():
-    import jax
-    import jax.numpy as jnp
-    n = 8192 if jax.default_backend() == "gpu" else 512
-    a = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
-    b = jax.random.normal(jax.random.key(2), (n, n), jnp.bfloat16)
-    f = jax.jit(lambda a, b: a @ b)
-    jax.block_until_ready(f(a, b))
-    return 2 * n**3 / median_s(f, a, b, n=20)
-
-
-def kernel_breakdown(fn, args, top=30):
-    """CUPTI kernel times (ms) of one call of ``fn``, summed by kernel name: the ``top``
-    largest, the rest as "other_ms", and "total_ms"."""
-    from jax.experimental.mosaic.gpu import profiler
-    _, per_iter = profiler.measure(fn, aggregate=False, iterations=2)(*args)
-    agg = collections.Counter()
-    for name, ms in per_iter[-1]:
-        agg[name.split(".")[0][:60]] += ms
-    out = dict(agg.most_common(top))
-    out["other_ms"] = sum(agg.values()) - sum(out.values())
-    out["total_ms"] = sum(agg.values())
-    return out
-
-
-def grouped_gemm(peak, tokens, cfg, impls, tiles=None):
-    """The expert GEMMs alone, fwd + bwd (dx and dW), at the bench model's shapes: ``impls``
-    among tokamax (heuristic tiles), tokamax-tuned (``tiles``), triton (tokamax's Triton
-    kernels) and xla."""
-    import jax
-    import jax.numpy as jnp
-
-    import pallas_kernels as pk
-    e, d, f = cfg.n_experts, cfg.d_model, cfg.expert_ffn
-    rng = np.random.default_rng(0)
-    out = {}
-    for impl in impls:
-        # XLA's ragged_dot expands densely over the experts: it runs out of memory at full size
-        m = tokens * cfg.experts_per_token // (1 if impl != "xla" else 8)
-        gs = jnp.asarray(rng.multinomial(m, rng.dirichlet(np.full(e, 2.0))), jnp.int32)
-        for name, (k, n) in {"gate_up": (d, 2 * f), "down": (f, d)}.items():
-            x = jax.random.normal(jax.random.key(3), (m, k), jnp.bfloat16)
-            w = (jax.random.normal(jax.random.key(4), (e, n, k), jnp.float32) * k**-0.5).astype(jnp.bfloat16)
-            if impl == "triton":
-                import tokamax
-                dot = lambda x, w: tokamax.ragged_dot(x, jnp.swapaxes(w, 1, 2), gs, preferred_element_type=x.dtype,
-                                                      implementation="triton")
-            else:
-                t = {"tokamax": pk.GroupedTiles(), "default": pk.KernelConfig().grouped_tiles}.get(impl, tiles)
-                dot = lambda x, w, t=t: pk.grouped_dot(x, w, gs, impl="xla" if impl == "xla" else "tokamax", tiles=t)
-            # impls: tokamax (its heuristic tiles), default (KernelConfig's tiles), tokamax-tuned (this run's sweep)
-            loss = lambda x, w, dot=dot: jnp.sum(dot(x, w).astype(jnp.float32) ** 2)
-            g = jax.jit(jax.grad(loss, argnums=(0, 1)))
-            key = f"{impl}/{name}"
-            try:
-                ref = jax.jit(jax.grad(lambda x, w: jnp.sum(pk.grouped_dot_xla(x, w, gs).astype(jnp.float32) ** 2),
-                                       argnums=(0, 1)))(x, w) if impl != "xla" and m <= 65536 else None
-                got = g(x, w)
-                jax.block_until_ready(got)
-                rel = None
-                if ref is not None:
-                    rel = max(float(jnp.linalg.norm((a - b).astype(jnp.float32)) / jnp.linalg.norm(b.astype(jnp.float32)))
-                              for a, b in zip(got, ref))
-                dt = median_s(g, x, w)
-                flops = 6 * m * k * n
-                out[key] = {"M": m, "K": k, "N": n, "E": e, "fwd_bwd_ms": dt * 1e3, "TFLOPs": flops / dt / 1e12,
-                            "frac_of_peak": flops / dt / peak, "rel_err_vs_xla": rel}
-            except Exception as ex:
-                out[key] = {"error": f"{type(ex).__name__}: {ex}"[:500]}
-            print("grouped", key, out[key], flush=True)
-    return out
 
 
 # tokamax: (block_m, block_n, block_k, num_stages, persistent); the first is its sm90 heuristic
@@ -265,9 +190,9 @@ def train_config(cfg_big, policy, grouped, attention, remat, batch, seq, peak, s
         try:
             # not donated, so it can repeat: the same program as the timed one
             nd = make_train_step(g, tx, sft_loss(prec), donate=False)
-            kb = kernel_breakdown(lambda s, bb: nd(s, bb), (state, b))
+            kb = H.top_kernels(H.breakdown(lambda s, bb: nd(s, bb), state, b, iterations=2), 30, scale=1e-3)
             row["kernels_ms"] = kb
-            row["kernel_sum_over_step"] = kb["total_ms"] / 1e3 / dt
+            row["kernel_sum_over_step"] = kb["total"] / 1e3 / dt
         except Exception as ex:
             row["breakdown_error"] = f"{type(ex).__name__}: {ex}"[:400]
     del state, compiled, step
@@ -277,12 +202,11 @@ def train_config(cfg_big, policy, grouped, attention, remat, batch, seq, peak, s
 
 
 def markdown(res):
-    lines = [f"# Train step benchmark ({res.get('date')}, {res.get('device')}, jax {res.get('jax')})", "",
-             f"Command: `{res.get('command')}`", "",
-             f"Model: {res.get('model')}. BF16 matmul peak measured in this process: {res.get('peak_TFLOPs', 0):.0f} TFLOP/s.", "",
+    s = res["sections"]
+    lines = H.header(res, "Train step benchmark") + [f"Model: {res.get('model')}.", "",
              "| policy | grouped (tiles) | attention | remat | tokens (B x T) | step ms | tokens/s | MFU | MFU (6N) | mem est GiB | peak GiB | loss first -> last |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for r in res["configs"]:
+    for r in s.get("configs", []):
         if "error" in r:
             lines.append(f"| {r['policy']} | {r['grouped']} | {r['attention']} | {r['remat']} | {r['batch']}x{r['seq']} | "
                          f"error: {r['error'][:120]} | | | | | | |")
@@ -292,7 +216,7 @@ def markdown(res):
                      f"{1e3 * r['step_s']:.1f} | {r['tokens_per_s']:.0f} | {100 * r['MFU']:.1f}% | {100 * r['MFU_6N']:.1f}% | {est} | "
                      f"{r.get('process_peak_GiB', 0):.1f} | "
                      f"{r['loss_first']:.3f} -> {r['loss_last']:.3f} |")
-    tt = res.get("tiles")
+    tt = s.get("tiles")
     if tt:
         lines += ["", f"## tokamax tiles, each kernel alone ({tt['M']} rows), against the measured peak", "",
                   f"Chosen (least time over both shapes, per kernel): {tt.get('chosen')}", "",
@@ -304,26 +228,13 @@ def markdown(res):
             else:
                 lines.append(f"| {r['shape']} | {r['kernel']} | {tuple(r['tiles'])} | {r['ms']:.2f} | {100 * r['frac_of_peak']:.0f}% | "
                              f"{r['rel_vs_heuristic']:.1e} | {r.get('rel_vs_fp32', float('nan')):.1e} |")
-    gg = res.get("grouped_gemm")
-    if gg:
-        lines += ["", "## Expert grouped GEMM alone, fwd + bwd", "", "| impl/weight | M x K -> N | ms | TFLOP/s | of peak | rel err vs xla |",
-                  "|---|---|---|---|---|---|"]
-        for k, v in gg.items():
-            if "error" in v:
-                lines.append(f"| {k} | | error: {v['error'][:150]} | | | |")
-            else:
-                rel = "-" if v["rel_err_vs_xla"] is None else f"{v['rel_err_vs_xla']:.1e}"
-                lines.append(f"| {k} | {v['M']} x {v['K']} -> {v['N']} ({v['E']} experts) | {v['fwd_bwd_ms']:.2f} | "
-                             f"{v['TFLOPs']:.0f} | {100 * v['frac_of_peak']:.0f}% | {rel} |")
-    for r in res["configs"]:
+    for r in s.get("configs", []):
         if r.get("kernels_ms"):
             lines += ["", f"## Kernel breakdown: {r['policy']} {r['grouped']} {r['attention']} remat={r['remat']} "
                       f"{r['tokens']} tokens (kernel sum / step wall = {r.get('kernel_sum_over_step', float('nan')):.2f})", "",
                       "| kernel | ms |", "|---|---|"]
             lines += [f"| {k} | {v:.2f} |" for k, v in r["kernels_ms"].items()]
-    if res["errors"]:
-        lines += ["", "## Errors", ""] + [f"- {k}: {v[:300]}" for k, v in res["errors"].items()]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + [""] + H.errors_md(res)) + "\n"
 
 
 def parse_configs(spec: str):
@@ -350,58 +261,40 @@ DEFAULT = ",".join([
 
 
 def main():
-    import sys
-
     import jax
 
     import pallas_kernels as pk
-    from benchmarks.bench_model import BIG
     from quads_jax.model import ModelConfig
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     ap.add_argument("--configs", default=DEFAULT, help="policy:grouped:attention:remat:BxT, comma-separated")
     ap.add_argument("--breakdown", default="bf16:tokamax:cudnn:none:8x4096", help="configs to profile per kernel")
-    ap.add_argument("--gemm-tokens", type=int, default=32768, help="tokens of the grouped-GEMM microbenchmark (0: skip)")
-    ap.add_argument("--gemm-impls", default="tokamax,tokamax-tuned,triton,xla")
-    ap.add_argument("--tune", type=float, default=150, help="seconds of the tile sweep (0: no sweep, tokamax's heuristic tiles)")
+    ap.add_argument("--tune", type=float, default=0, help="seconds of the tile sweep of the expert GEMMs (0: none, the default tiles)")
+    ap.add_argument("--tune-tokens", type=int, default=32768, help="tokens of the tile sweep")
     ap.add_argument("--budget", type=float, default=540, help="seconds: no new config starts after this")
     ap.add_argument("--tiny", action="store_true", help="a small model, to check the harness on a CPU")
     a = ap.parse_args()
     t_start = time.time()
-    os.makedirs(a.out, exist_ok=True)
     cfg = ModelConfig(**(BIG if not a.tiny else dict(BIG, vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
                                                           head_dim=16, n_experts=8, experts_per_token=2, expert_ffn=32)))
     counts = cfg.param_counts()
-    RES.update(date=datetime.date.today().isoformat(), device=jax.devices()[0].device_kind, jax=jax.__version__,
-               command=" ".join(["python"] + sys.argv),
-               model=f"{counts['total'] / 1e9:.2f}B total / {counts['active'] / 1e9:.2f}B active, {cfg.n_experts} experts top-"
-                     f"{cfg.experts_per_token}, {cfg.n_layers} layers")
-    RES["peak_TFLOPs"] = matmul_peak() / 1e12
-    print("peak", RES["peak_TFLOPs"], flush=True)
-    peak = RES["peak_TFLOPs"] * 1e12
+    res = H.Results(a.out, "train", markdown)
+    res.data["model"] = (f"{counts['total'] / 1e9:.2f}B total / {counts['active'] / 1e9:.2f}B active, {cfg.n_experts} experts top-"
+                         f"{cfg.experts_per_token}, {cfg.n_layers} layers")
+    ceil = res.section("ceilings", H.ceilings, H.timer(), a.tiny) or {}
+    peak = ceil.get("bf16_matmul_TFLOPs", float("nan")) * 1e12
     tiles = None
     if a.tune and jax.default_backend() == "gpu":
-        try:
-            RES["tiles"] = tune_tiles(peak, a.gemm_tokens or 32768, cfg, a.tune)
-            b = RES["tiles"]["best"]
-            tiles = pk.GroupedTiles(**{k: _tile_obj(k, v) for k, v in b.items()})
-            RES["tiles"]["chosen"] = repr(tiles)
-        except Exception as e:
-            RES["errors"]["tune_tiles"] = f"{type(e).__name__}: {e}"[:1000]
-            traceback.print_exc()
-        save(a.out)
-    if a.gemm_tokens:
-        try:
-            impls = [i for i in a.gemm_impls.split(",") if i != "tokamax-tuned" or tiles is not None]
-            RES["grouped_gemm"] = grouped_gemm(peak, a.gemm_tokens, cfg, impls, tiles=tiles)
-        except Exception as e:
-            RES["errors"]["grouped_gemm"] = f"{type(e).__name__}: {e}"[:1000]
-        save(a.out)
+        tt = res.section("tiles", tune_tiles, peak, a.tune_tokens, cfg, a.tune)
+        if tt and tt["best"]:
+            tiles = pk.GroupedTiles(**{k: _tile_obj(k, v) for k, v in tt["best"].items()})
+            tt["chosen"] = repr(tiles)
     prof = set(a.breakdown.split(",")) if a.breakdown else set()
+    rows = res.sections.setdefault("configs", [])
     for spec in parse_configs(a.configs):
         if time.time() - t_start > a.budget:
-            RES["errors"][":".join(map(str, spec))] = "skipped: out of time budget"
+            res.data["errors"][":".join(map(str, spec))] = "skipped: out of time budget"
             continue
         p, g, at, r, b, t = spec
         key = f"{p}:{g}:{at}:{r}:{b}x{t}"
@@ -412,10 +305,10 @@ def main():
             row = {"policy": p, "grouped": g, "attention": at, "remat": r, "batch": b, "seq": t,
                    "error": f"{type(e).__name__}: {e}"[:600]}
             traceback.print_exc()
-        RES["configs"].append(row)
+        rows.append(row)
         print("config", json.dumps(row, default=str), flush=True)
-        save(a.out)
-    print(markdown(RES))
+        res.save()
+    print(markdown(res.data))
 
 
 if __name__ == "__main__":

@@ -172,3 +172,41 @@ def test_tokamax_grouped_dot_of_stored_kn_weights_equals_ragged_dot(fp8):
     out = pk.grouped_dot_kn(x, kn, gs, impl="tokamax", out_dtype=jnp.float32)
     ref = pk.grouped_dot_kn(x, kn, gs, impl="xla", out_dtype=jnp.float32)
     assert rel(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("rho", [0.0, 0.5])
+def test_sglang_triton_gemm_agrees_with_its_torch_reference_and_with_jax(rho):
+    """The SGLang plugin's Triton W4A4 + RAC GEMM on the device: launched from torch against the
+    plugin's torch reference; the plugin's torch quantizer against JAX's (same codes); and the
+    same kernel launched from JAX (jax-triton) against the Pallas kernel on the same operands,
+    so the SGLang engine and ours compute the same numbers."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("jax_triton")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA device here")
+    from quads_jax import nvfp4 as F
+    from rollout.sglang_plugin import numerics as N
+    from rollout.sglang_plugin import triton_gemm as TG
+    from rollout.sglang_plugin.jax_launch import triton_nvfp4_matmul
+
+    rng = np.random.default_rng()
+    t, n, k = 16, 768, 2048
+    xf = rng.standard_normal((t, k)).astype(np.float32)
+    wf = rng.standard_normal((n, k)).astype(np.float32)
+    w = F.quantize(jnp.asarray(wf))
+    x = jnp.asarray(xf).astype(jnp.bfloat16)
+    xq, rq = pk.quantize_activations_rac(x, rac_ratio=rho, act_scale="token", backend="pallas")
+    jt = triton_nvfp4_matmul(xq, rq, w, out_dtype=jnp.float32)
+    pallas = pk.nvfp4_matmul(x, w, rac_ratio=rho, rac_sum="exact", act_scale="token", backend="pallas", out_dtype=jnp.float32)
+    assert rel(jt, pallas) < 1e-3
+
+    tx = torch.from_numpy(np.asarray(x.astype(jnp.float32))).to(torch.bfloat16).cuda()
+    (xc, _, _), _ = N.packed_operands(tx, rho)
+    assert np.array_equal(xc.cpu().numpy(), np.asarray(xq.codes))
+    tw = torch.from_numpy(np.asarray(w.codes)).cuda()
+    ts = torch.from_numpy(np.asarray(jax.lax.bitcast_convert_type(w.scales, jnp.uint8))).cuda().view(torch.float8_e4m3fn)
+    gw = torch.tensor(float(np.asarray(w.global_scale)), device="cuda")
+    got = TG.quads_linear_triton(tx, tw, ts, gw, rac_ratio=rho, out_dtype=torch.float32)
+    ref = N.quads_linear(tx, tw, ts, gw, rac_ratio=rho, out_dtype=torch.float32)
+    assert float((got - ref).norm() / ref.norm()) < 1e-3
+    assert rel(got.cpu().numpy(), jt) < 1e-3

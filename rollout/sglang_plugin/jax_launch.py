@@ -6,7 +6,7 @@ module of the plugin package that imports JAX: the plugin itself never imports i
 
 It takes the same NVFP4 operands as ``nvfp4_matmul`` (after its activation quantizer), so
 on the GPU both engines can be checked to compute the same numbers on the same inputs
-(``benchmarks/bench_kernels.py --only triton``). Needs a GPU and the ``jax_triton`` package
+(``tests/test_gpu.py``, on the device). Needs a GPU and the ``jax_triton`` package
 (not a dependency: carry its wheel); there is no interpret mode through jax-triton, the CPU
 tests run the kernel itself in Triton's interpreter instead.
 """
