@@ -14,7 +14,6 @@ from pallas_kernels.config import BACKENDS, DwTiles, GroupedTiles, KernelConfig,
 from pallas_kernels.grouped_weight_grad import grouped_dw, grouped_dw_xla
 from pallas_kernels.float_grouped import ExpertsKN, grouped_dot, grouped_dot_fp8, grouped_dot_kn, grouped_dot_xla
 from pallas_kernels.fp8_gemm import fp8_grouped_matmul, fp8_matmul
-from pallas_kernels.decode import DecodeConfig, nvfp4_block_values, nvfp4_block_values_xla
 from pallas_kernels.grouped_gemm import nvfp4_grouped_matmul, nvfp4_grouped_matmul_xla
 from pallas_kernels.gemm import GemmConfig, gemm_config, nvfp4_matmul, nvfp4_matmul_xla
 from pallas_kernels.rac import RAC_MODES, RAC_SUMS
@@ -28,5 +27,5 @@ __all__ = [
     "quantize_operand",
     "nvfp4_matmul", "nvfp4_matmul_xla", "nvfp4_grouped_matmul", "nvfp4_grouped_matmul_xla",
     "fp8_matmul", "fp8_grouped_matmul", "GemmConfig", "gemm_config",
-    "nvfp4_block_values", "nvfp4_block_values_xla", "DecodeConfig", "RAC_MODES", "RAC_SUMS",
+    "RAC_MODES", "RAC_SUMS",
 ]

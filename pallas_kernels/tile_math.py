@@ -99,17 +99,14 @@ def scales_as(scale_bits, dtype):
     return s if jnp.dtype(dtype) == jnp.bfloat16 else s.astype(dtype)
 
 
-def decode_tile(codes, scale_bits, rows, bk, decode="bits", interpret=False, dtype=jnp.bfloat16):
+def decode_tile(codes, scale_bits, rows, bk, dtype=jnp.bfloat16):
     """Packed codes [rows, bk/2] (uint8) and E4M3 scale bits [rows, bk/16] -> the even and
     odd channels' block values in ``dtype``, BF16 or FP16 (exact: E2M1 x E4M3 has at most 6
-    significant bits), each [rows, bk/2]. ``decode`` "prmt" (PTX byte permutes; interpret
-    mode runs "bits") or "bits" (BF16 bit patterns, one product by the scale)."""
+    significant bits), each [rows, bk/2]: BF16 bit patterns, one product by the scale."""
     operand_key(dtype)
     c = codes.astype(jnp.int32)
     s = scales_as(scale_bits, dtype)
     s = jnp.broadcast_to(s[:, :, None], (rows, bk // 16, 8)).reshape(rows, bk // 2)
-    if decode == "prmt" and not interpret:
-        return prmt_decode(codes.astype(jnp.uint8), s)
     return tuple(nvfp4.decode_e2m1_bf16(v).astype(dtype) * s for v in (c & 15, c >> 4))
 
 
@@ -141,12 +138,10 @@ def pad_axis(x, axis: int, size: int):
 
 # ----------------------------------------------------------------------------- E2M1 decode by byte permutes
 #
-# Four packed code bytes in one 32-bit register -> eight BF16 block values (the low and the
-# high nibbles, times their block scales) in ~28 instructions, against ~10 per value for the
-# integer decode. A BF16 E2M1 magnitude is two bytes, each a function of the 3-bit magnitude m:
-# high byte HI[m] and low byte LO[m]. ``prmt`` looks up four bytes from an 8-byte table at once,
-# given four 3-bit selectors in the nibbles of its selector register; a second ``prmt`` pairs
-# the high and low bytes into BF16x2 words; ``mul.rn.bf16x2`` applies the scale (exact: 6
+# A BF16 E2M1 magnitude is two bytes, each a function of the 3-bit magnitude m: high byte
+# HI[m] and low byte LO[m]. ``prmt`` looks up four bytes from an 8-byte table at once, given
+# four 3-bit selectors in the nibbles of its selector register; a second ``prmt`` pairs the
+# high and low bytes into BF16x2 words; ``mul.rn.bf16x2`` applies the scale (exact: 6
 # significant bits); the sign bits are moved to bits 15 and 31 by one multiply and a mask.
 
 HI_BYTES = (0x00, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40)  # BF16 bits 15..8 of 0, .5, 1, 1.5, 2, 3, 4, 6
@@ -190,103 +185,6 @@ def _lookup_ptx(key):
 # (bytes of LO are 0-3, of HI 4-7) put values 0, 1 in the first word and 2, 3 in the second
 PAIR_01, PAIR_23 = 0x6240, 0x7351
 SIGN_SPREAD = (1 << 12) | (1 << 20)  # bit 3 -> 15 and bit 11 -> 31 (the cross terms land on 23)
-
-
-def _nibble_ptx(c, out0, out1, s0, s1, key="bf16"):
-    """PTX for the four nibbles at bits 0-3 of each byte of register ``c``."""
-    mul = OPERAND_TABLES[key][2]
-    return f"""
-    and.b32 qt, {c}, 0x07070707;
-    shr.u32 qsel, qt, 12;
-    or.b32 qsel, qsel, qt;
-{_lookup_ptx(key)}    prmt.b32 qm0, qlo, qhi, {PAIR_01:#x};
-    prmt.b32 qm1, qlo, qhi, {PAIR_23:#x};
-    mul.rn.{mul} qm0, qm0, {s0};
-    mul.rn.{mul} qm1, qm1, {s1};
-    and.b32 qsg, {c}, 0x808;
-    mul.lo.u32 qsg, qsg, {SIGN_SPREAD:#x};
-    and.b32 qsg, qsg, 0x80008000;
-    or.b32 {out0}, qm0, qsg;
-    shr.u32 qsg, {c}, 16;
-    and.b32 qsg, qsg, 0x808;
-    mul.lo.u32 qsg, qsg, {SIGN_SPREAD:#x};
-    and.b32 qsg, qsg, 0x80008000;
-    or.b32 {out1}, qm1, qsg;"""
-
-
-def _decode_ptx(shift: int, key: str = "bf16") -> str:
-    """PTX: the nibbles at bit ``shift`` of each byte of $2 (four code bytes) times their
-    scales ($3, $4: two BF16x2 or FP16x2 words) -> four values of that type in $0, $1."""
-    c = "$2" if shift == 0 else "qc"
-    return (
-        "{\n    .reg .b32 qt, qsel, qhi, qlo, qm0, qm1, qsg, qc, qha, qhb, qla, qlb;\n"
-        + _tables_ptx(key)
-        + f"    shr.u32 qc, $2, {shift};"
-        + _nibble_ptx(c, "$0", "$1", "$3", "$4", key)
-        + "\n}"
-    )
-
-
-# two programs, not one with four outputs: jax 0.11's Pallas lowering of elementwise_inline_asm
-# returns a single result (seen on the H200: "2 outvars do not match 1 outvals")
-PRMT_DECODE_PTX = {key: (_decode_ptx(0, key), _decode_ptx(4, key)) for key in OPERAND_TABLES}
-
-
-def prmt_decode(codes, scale):
-    """Packed codes [r, c] (uint8) and each pair's block scale [r, c] (BF16 or FP16: the
-    operand type) -> the low and high nibbles' block values (exact), through
-    ``PRMT_DECODE_PTX`` (compiled only)."""
-    out = jax.ShapeDtypeStruct(codes.shape, scale.dtype)
-    return tuple(
-        plgpu.elementwise_inline_asm(ptx, args=[codes, scale], constraints="=&r,=&r,r,r,r", pack=4,
-                                     result_shape_dtypes=[out])[0]  # early clobber: outputs are written
-        for ptx in PRMT_DECODE_PTX[operand_key(scale.dtype)]        # while inputs are still read
-    )
-
-
-def _prmt(a, b, sel):
-    """PTX ``prmt.b32`` (default mode) on uint32 numpy arrays."""
-    import numpy as np
-
-    pool = (b.astype(np.uint64) << np.uint64(32)) | a.astype(np.uint64)
-    out = np.zeros_like(a, dtype=np.uint32)
-    for k in range(4):
-        idx = ((sel >> (4 * k)) & 7).astype(np.uint64)
-        byte = (pool >> (idx * np.uint64(8))) & np.uint64(0xFF)
-        out |= (byte.astype(np.uint32) << np.uint32(8 * k))
-    return out
-
-
-def _emulated_tables(words, key):
-    import numpy as np
-
-    hi, lo, _ = OPERAND_TABLES[key]
-    return [np.full_like(words, _word(t, s), dtype=np.uint32) for t in (hi, lo) for s in (0, 4)]
-
-
-def prmt_decode_emulated(words, key="bf16"):
-    """The integer steps of ``PRMT_DECODE_PTX[key]`` on uint32 numpy words (four code bytes
-    each), without the scale product: [n, 4] low-nibble and [n, 4] high-nibble BF16 (or
-    FP16) bit patterns. Lets the CPU tests check the constants and permutes the compiled
-    kernel uses."""
-    import numpy as np
-
-    words = np.asarray(words, np.uint32)
-    hia, hib, loa, lob = _emulated_tables(words, key)
-
-    def nibbles(c):
-        t = c & np.uint32(0x07070707)
-        sel = t | (t >> np.uint32(12))
-        hi, lo = _prmt(hia, hib, sel), _prmt(loa, lob, sel)
-        outs = []
-        for pair, src in ((PAIR_01, c), (PAIR_23, c >> np.uint32(16))):
-            m = _prmt(lo, hi, np.full_like(c, pair))
-            sg = ((src & np.uint32(0x808)) * np.uint32(SIGN_SPREAD)) & np.uint32(0x80008000)
-            outs.append(m | sg)
-        w0, w1 = outs
-        return np.stack([w0 & 0xFFFF, w0 >> 16, w1 & 0xFFFF, w1 >> 16], axis=-1).astype(np.uint16)
-
-    return nibbles(words), nibbles(words >> np.uint32(4))
 
 
 # ----------------------------------------------------------------------------- codes as 32-bit words
@@ -366,24 +264,3 @@ def decode_words(words, scale_bits, rows, bk, interpret=False, dtype=jnp.bfloat1
         for q in (0, 1):
             parts.append(jax.lax.bitcast_convert_type(((o >> (16 * q)) & 0xFFFF).astype(jnp.uint16), dtype))
     return parts
-
-
-def word_decode_emulated(words, key="bf16"):
-    """The integer steps of ``WORD_DECODE_PTX[key]`` on uint32 numpy words, without the scale
-    product: [n, 8] BF16 (or FP16) bit patterns in WORD_CHANNELS order (for the CPU tests)."""
-    import numpy as np
-
-    words = np.asarray(words, np.uint32)
-    hia, hib, loa, lob = _emulated_tables(words, key)
-    out = []
-    for shift in (0, 4):
-        c = words >> np.uint32(shift)
-        t = c & np.uint32(0x07070707)
-        sel = t | (t >> np.uint32(12))
-        hi, lo = _prmt(hia, hib, sel), _prmt(loa, lob, sel)
-        for half, pair in ((0, PAIR_01), (1, PAIR_23)):
-            m = _prmt(lo, hi, np.full_like(c, pair))
-            src = c if half == 0 else c >> np.uint32(16)
-            m = m | (((src & np.uint32(0x808)) * np.uint32(SIGN_SPREAD)) & np.uint32(0x80008000))
-            out += [m & 0xFFFF, m >> 16]
-    return np.stack(out, axis=-1).astype(np.uint16)

@@ -22,12 +22,10 @@ class GemmConfig:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
-    # Pallas only (the Triton kernel always decodes from bits with per-column scale pointers):
-    # weight-tile decode: "bits" (BF16 bit patterns, one BF16 product by the scale) or "prmt" (four code bytes at a time through
-    # PTX byte permutes, pallas_kernels.tile_math; compiled kernels only, interpret mode runs
-    # "bits"), or "words" (codes as uint32 words of 8, four PTX programs a word, eight K parts:
-    # no uint8 repacking; compiled kernels use PTX, interpret mode the bit decode); all exact,
-    # so the same numbers
+    # weight-tile decode: "words" (codes as uint32 words of 8, four PTX byte-permute programs a
+    # word, eight K parts: no uint8 repacking; K tiles of >= 128 channels; compiled kernels
+    # use PTX, interpret mode the bit decode) or "bits" (bytes, BF16 bit patterns, one BF16
+    # product by the scale: any K tile); both exact, so the same numbers
     decode: str = "bits"
     # Pallas only: compute the tile as (W @ A.T).T, so the weight (block_n rows) is the MMA's
     # M operand and the few tokens its N. Hopper's wgmma needs M >= 64 but takes N = 8..256,
@@ -62,42 +60,24 @@ class GemmConfig:
             raise ValueError(f"GemmConfig.block_k={self.block_k}: expected >= 32 (two 16-channel blocks)")
 
 
-DECODES = ("bits", "prmt", "words")
+DECODES = ("bits", "words")
 PATHS = ("fused", "dequant")
 ACT_LOADS = ("codes", "values")
 PREFILL_DEQUANT_MIN_T = 512  # token count from which the dense GEMM takes path="dequant"
-# the decode-size GEMMs' weight-tile decode: "words" where the K tile holds >= 128 channels
-# (measured best on the H200 in run 12, 4096 x 14336 GEMM only: T=16 35 us against prmt's 48,
-# T=64 54 against 76), else "prmt". NVFP4 weights are stored as code words
-# (``nvfp4.code_words``), which both read.
-DEFAULT_DECODE = "words"
 
 
 def gemm_config(t: int, n: int, k: int, programs_per_row_tile: int = 1, stacked: bool = False,
                 num_sms: int | None = None) -> GemmConfig:
-    """Heuristic tiles: decode (few tokens) streams the weight in block_n x 128 tiles with
-    split-K until ~2 waves of programs, with the weight as the MMA's M operand (swap_ab);
-    prefill uses square MMA tiles, and from PREFILL_DEQUANT_MIN_T tokens the dense GEMM
-    decodes once and runs the BF16 dot.
-
-    Measured on the H200, GEMM only, 4096 x 14336 (benchmarks/results/...-run8, -run9,
-    -run12): at T=16 the arith decode at 64 x 256 took 156 us, the bits decode at 128 x 128
-    split 4 84 us, swapped 81 us, the prmt decode with BF16 activation values at block_n 64
-    48 us, the word decode at block_n 128 35 us (64: 36 us); at T=64 prmt 76 us, words 54 us
-    at block_n 128 (64: 65 us). The grouped GEMM (64 experts, 2048 x 768, 64 tokens) keeps
-    block_n 64 (more programs over the small experts), with words and activation values
-    86 us against prmt with activation codes 100 us. Run 13 (benchmarks/results/
-    2026-12-04-h200-run13, tile sweep): 256-channel K tiles, 3 stages and split-K to 1.5
-    waves for large dense weights (T=16 29.6 us, T=64 50 us).
-
-    ``stacked``: the token operand holds each token's activation and residual rows (RAC with
-    ``rac_sum="exact"``; the default FP16 sum needs no extra rows). The prmt decode then
-    takes 64-wide tiles above 16 tokens (T=64: 122 us against 204 at 128, which spills); the
-    word decode keeps 128 (97 us against 107).
-
-    The decode tiles serve up to PREFILL_DEQUANT_MIN_T tokens (the RL rollout's batches of 64
-    to 512): square tiles without split-K leave most SMs idle there (16-48 programs for the
-    bench model's weights at T=256; benchmarks/results/2026-12-05-h100-rollout-scale)."""
+    """Heuristic tiles. Below PREFILL_DEQUANT_MIN_T tokens (decode, and the RL rollout's batches
+    of 64 to 512) the kernel streams the weight: the weight is the MMA's M operand (swap_ab),
+    decoded from code words in 128-wide N tiles (64 for the grouped GEMM: more programs over
+    small experts), K tiles of 128 (256 for large weights that still fill 1.5 waves), and
+    split-K until about 1.5 waves of programs. From PREFILL_DEQUANT_MIN_T tokens the dense
+    GEMM decodes both operands once and runs the BF16 dot (square MMA tiles for the grouped
+    kernel). ``stacked``: the token operand holds each token's activation and residual rows
+    (RAC with ``rac_sum="exact"``): 128-channel K tiles (256 overflows shared memory), two
+    stages. The tile sweeps behind these choices: benchmarks/results/2026-12-04-h200-run13
+    and 2026-12-05-h100-rollout-scale."""
     if t >= PREFILL_DEQUANT_MIN_T:
         bk = 64 if k % 64 == 0 else 32
         path = "dequant" if programs_per_row_tile == 1 else "fused"
@@ -106,31 +86,20 @@ def gemm_config(t: int, n: int, k: int, programs_per_row_tile: int = 1, stacked:
     sms = num_sms or device_sms()
     bm = 16 if t <= 16 else (32 if t <= 32 else 64)
     bk = next(b for b in (128, 64, 32) if k % b == 0)
-    decode = DEFAULT_DECODE if bk >= 128 or DEFAULT_DECODE != "words" else "prmt"
-    if n < 128 or grouped:
-        bn = 64
-    elif decode == "words":
-        bn = 128
-    else:
-        bn = 128 if t > 16 and not stacked else 64
+    decode = "words" if bk >= 128 else "bits"  # the word decode splits a K tile into 8 parts of >= 16 channels
+    bn = 64 if n < 128 or grouped else 128
     tiles = -(-t // bm) * -(-n // bn) * programs_per_row_tile
     stages = 4
     if not grouped:
-        # large dense weights: 256-channel K tiles when programs of two of them still fill
-        # 1.5 waves; three stages (run 13, T=16: 29.6 us against 34.8 at 128 x 4 stages;
-        # T=64 with RAC 45 against 55); stacked rows: 128-channel tiles (256 overflows shared
-        # memory), two stages above 16 tokens (71 us against 97)
         if k % 256 == 0 and not stacked and decode == "words" and tiles * (k // 512) >= 1.5 * sms:
             bk = 256
         stages = 2 if stacked and t > 16 else 3
     split = 1
-    # split K until 1.5 waves of programs (run 13: split 2 beat 4 at 112 N tiles, T=64 49.5
-    # against 53.8 us), each program keeping >= 2 K tiles
+    # each program keeps >= 2 K tiles
     while tiles * split < 1.5 * sms and (k // bk) % (split * 2) == 0 and k // (bk * split * 2) >= 2:
         split *= 2
-    # grouped with the byte decodes: activation codes, 4x less to read than BF16 values for
-    # the N / block_n programs of each row tile (run 10: 125 us against 137); the word decode
-    # reads values (run 12: 86 us against 103 us with codes)
+    # the grouped byte decode reads activation codes (4x fewer bytes than values for the N /
+    # block_n programs of a row tile); the word decode reads values
     act_load = "codes" if grouped and decode != "words" else "values"
     return GemmConfig(block_m=bm, block_n=bn, block_k=bk, split_k=split, num_warps=4, num_stages=stages, swap_ab=True,
                       decode=decode, act_load=act_load, path="fused")

@@ -230,23 +230,40 @@ def e2m1_bits(c, key):
     return np.asarray(jax.lax.bitcast_convert_type(nvfp4.decode_e2m1_bf16(jnp.asarray(c, jnp.int32)).astype(dt), jnp.uint16))
 
 
-@pytest.mark.parametrize("key", ["bf16", "f16"])
-def test_prmt_decode_steps_equal_the_e2m1_grid(key):
-    """The integer steps of the byte-permute PTX decode (emulated), for every code byte in
-    every byte position of the 32-bit word, give the BF16 (or FP16) bits of the E2M1 values."""
-    from pallas_kernels import tile_math
-
-    b = np.arange(256, dtype=np.uint32)
-    words = np.stack([np.roll(b, 0), np.roll(b, 7), np.roll(b, 101), np.roll(b, 200)], axis=1)  # [256, 4] bytes
-    packed = words[:, 0] | words[:, 1] << 8 | words[:, 2] << 16 | words[:, 3] << 24
-    lo, hi = tile_math.prmt_decode_emulated(packed, key)
-    want = lambda c: e2m1_bits(c, key)
-    assert "mul.rn." + ("f16x2" if key == "f16" else "bf16x2") in tile_math.PRMT_DECODE_PTX[key][0]
-    np.testing.assert_array_equal(lo, want(words & 15))
-    np.testing.assert_array_equal(hi, want(words >> 4))
+def _prmt(a, b, sel):
+    """PTX ``prmt.b32`` (default mode) on uint32 numpy arrays."""
+    pool = (b.astype(np.uint64) << np.uint64(32)) | a.astype(np.uint64)
+    out = np.zeros_like(a, dtype=np.uint32)
+    for k in range(4):
+        idx = ((sel >> (4 * k)) & 7).astype(np.uint64)
+        byte = (pool >> (idx * np.uint64(8))) & np.uint64(0xFF)
+        out |= (byte.astype(np.uint32) << np.uint32(8 * k))
+    return out
 
 
-@pytest.mark.parametrize("decode,swap_ab,act_load", [("bits", False, "codes"), ("bits", True, "values"), ("prmt", True, "values"),
+def word_decode_emulated(words, key="bf16"):
+    """The integer steps of ``tile_math.WORD_DECODE_PTX[key]`` on uint32 numpy words, without
+    the scale product: [n, 8] BF16 (or FP16) bit patterns in WORD_CHANNELS order."""
+    from pallas_kernels import tile_math as tm
+
+    words = np.asarray(words, np.uint32)
+    hi_t, lo_t, _ = tm.OPERAND_TABLES[key]
+    hia, hib, loa, lob = [np.full_like(words, tm._word(t, s), dtype=np.uint32) for t in (hi_t, lo_t) for s in (0, 4)]
+    out = []
+    for shift in (0, 4):
+        c = words >> np.uint32(shift)
+        t = c & np.uint32(0x07070707)
+        sel = t | (t >> np.uint32(12))
+        hi, lo = _prmt(hia, hib, sel), _prmt(loa, lob, sel)
+        for half, pair in ((0, tm.PAIR_01), (1, tm.PAIR_23)):
+            m = _prmt(lo, hi, np.full_like(c, pair))
+            src = c if half == 0 else c >> np.uint32(16)
+            m = m | (((src & np.uint32(0x808)) * np.uint32(tm.SIGN_SPREAD)) & np.uint32(0x80008000))
+            out += [m & 0xFFFF, m >> 16]
+    return np.stack(out, axis=-1).astype(np.uint16)
+
+
+@pytest.mark.parametrize("decode,swap_ab,act_load", [("bits", False, "codes"), ("bits", True, "values"), ("bits", True, "codes"),
                                                      ("words", True, "values"), ("words", True, "codes"), ("words", False, "values")])
 def test_gemm_decode_variants_equal_xla(rng, decode, swap_ab, act_load):
     x = jnp.asarray(heavy(rng, (21, 256))).astype(jnp.bfloat16)
@@ -276,7 +293,7 @@ def test_word_decode_steps_and_layout_equal_the_format():
     rng = np.random.default_rng(3)
     words = rng.integers(0, 2**32, 512, dtype=np.uint64).astype(np.uint32)
     for key in ("bf16", "f16"):
-        got = tile_math.word_decode_emulated(words, key)  # [512, 8]
+        got = word_decode_emulated(words, key)  # [512, 8]
         for p, ch in enumerate(tile_math.WORD_CHANNELS):
             np.testing.assert_array_equal(got[:, p], e2m1_bits((words >> np.uint32(4 * ch)) & np.uint32(15), key))
     codes = jnp.asarray(rng.integers(0, 256, (3, 64), dtype=np.uint8))
@@ -292,9 +309,8 @@ def test_word_decode_steps_and_layout_equal_the_format():
 
 def test_decode_tiles_follow_the_measured_choices():
     """The decode-size heuristic (pallas_kernels.tiling.gemm_config, run-12 measurements): the
-    word decode at 128-wide tiles, stacked RAC rows or not; the prmt decode at 64-wide tiles
-    for 16 tokens and for stacked rows; the grouped GEMM at 64-wide tiles, activation values
-    with words; K tiles the word decode cannot split fall back to prmt."""
+    word decode at 128-wide tiles, stacked RAC rows or not; the grouped GEMM at 64-wide tiles,
+    activation values with words; K tiles the word decode cannot split fall back to bits."""
     from pallas_kernels import tiling
 
     for t, stacked in ((16, False), (64, False), (64, True)):
@@ -312,8 +328,8 @@ def test_decode_tiles_follow_the_measured_choices():
     assert (small.block_k, small.split_k) == (128, 8)  # few N tiles: deep split, 2 K tiles a program
     g = tiling.gemm_config(8, 768, 2048, programs_per_row_tile=64)
     assert (g.decode, g.block_n, g.act_load) == ("words", 64, "values")
-    assert tiling.gemm_config(16, 768, 96).decode == "prmt"  # K tile 32
-    assert tiling.gemm_config(8, 768, 96, programs_per_row_tile=64).act_load == "codes"  # prmt reads codes
+    assert tiling.gemm_config(16, 768, 96).decode == "bits"  # K tile 32
+    assert tiling.gemm_config(8, 768, 96, programs_per_row_tile=64).act_load == "codes"  # the grouped byte decode reads codes
     # the split follows the device's multiprocessors (here given): fewer SMs, less split
     assert tiling.gemm_config(16, 768, 2048, num_sms=16).split_k < small.split_k
     # the stacked rows follow rac_sum: only "exact" stacks
@@ -339,25 +355,6 @@ def test_prefill_path_dequant_equals_xla_and_is_the_large_t_default(rng):
     wg = nvfp4.quantize(jnp.ones((2, 32, 256)), keep_axes=(0,))
     with pytest.raises(ValueError, match="path"):
         pk.nvfp4_grouped_matmul(x, wg, jnp.asarray([20, 20]), backend="pallas", config=cfg)
-
-
-def test_block_values_kernel_bit_identical_to_the_format(rng):
-    """The Pallas decode (prefill operands) gives nvfp4.block_values bit for bit: ragged row
-    counts, narrow K (one 8-byte tile), per-expert tensors, a non-last quantized axis."""
-    cases = [((37, 512), {}), ((5, 48), {}), ((3, 20, 64), {"keep_axes": (0,)}), ((64, 40), {"axis": 0})]
-    for shape, kw in cases:
-        t = nvfp4.quantize(jnp.asarray(heavy(rng, shape)), **kw)
-        want = np.asarray(nvfp4.block_values(t)).view(np.uint16)
-        got = pk.nvfp4_block_values(t, backend="pallas")
-        assert got.shape == shape and got.dtype == jnp.bfloat16
-        np.testing.assert_array_equal(np.asarray(got).view(np.uint16), want, err_msg=str(shape))
-    t = nvfp4.quantize(jnp.asarray(heavy(rng, (16, 256))))
-    got = pk.nvfp4_block_values(t, backend="pallas", config=pk.DecodeConfig(block_rows=8, block_bytes=32, decode="bits"))
-    np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(nvfp4.block_values(t)).view(np.uint16))
-    with pytest.raises(ValueError, match="block_bytes"):
-        pk.nvfp4_block_values(t, backend="pallas", config=pk.DecodeConfig(block_bytes=256))
-    with pytest.raises(ValueError, match="NVFP4Tensor"):
-        pk.nvfp4_block_values(jnp.ones((4, 16)))
 
 
 def test_quantized_rows_gathered_equal_quantizing_the_gathered_rows(rng):
@@ -559,7 +556,7 @@ def test_gemm_operand_from_the_quantizer_equals_the_codes_path(rng, t, rho):
     base = pk.gemm_config(t, 192, 512)
     ref = pk.nvfp4_matmul(x, w, rac_ratio=rho, act_scale="token", backend="xla", out_dtype=jnp.float32)
     rows = pk.quantize_rows(x, rac_ratio=rho, backend="pallas")
-    for cfg in (base, dataclasses.replace(base, decode="prmt")):
+    for cfg in (base, dataclasses.replace(base, decode="bits", block_k=64)):
         assert NM.operand_order(x, cfg, mode="w4a4", rac_ratio=rho, rac_mode="token", rac_sum="fp16", act_scale="token") is not None
         call = lambda a: pk.nvfp4_matmul(a, w, rac_ratio=rho, act_scale="token", backend="pallas", config=cfg, out_dtype=jnp.float32)
         got, codes_path = call(x), call(rows)
