@@ -76,6 +76,9 @@ def _nbytes(*trees) -> float:
 
 
 def quant_cases(tiny: bool):
+    """Two ops per shape: the codes (``quantize_activations_rac``: the expert GEMMs' rows) and
+    the dense GEMMs' FP16 token operand written by the quantizer (``quantize_operand``, in the
+    word decode's channel order: what the rollout's dense linears run)."""
     import jax.numpy as jnp
 
     import pallas_kernels as pk
@@ -83,27 +86,29 @@ def quant_cases(tiny: bool):
 
     rng = np.random.default_rng(3)
     cases = []
-    for t, k in ((8, 256),) if tiny else ((64, 1024), (256, 1024), (256, 2048), (2048, 512)):
+    for t, k in ((8, 256),) if tiny else ((256, 1024), (256, 2048), (64, 1024), (2048, 512)):
         # heavy-tailed channels, as activations are: per-channel magnitudes spread over e^(+-2)
         x = jnp.asarray(rng.standard_normal((t, k)) * np.exp(rng.standard_normal(k)), jnp.bfloat16)
-        default = quant_config(t, k)
-        cfgs = {"default": default, "one_row": quant_config(t, k, split=False)}
-        for parts in (2, 4):
-            if k % (parts * 256) == 0 and (parts, min(1024, k // parts)) != (default.parts, default.chunk):
-                c = min(1024, k // parts)
-                cfgs[f"p{parts}_c{c}"] = pk.QuantConfig(block_rows=default.block_rows, chunk=c, num_warps=8 if c >= 512 else 4, parts=parts)
+        cfgs = {"default": quant_config(t, k), "one_row": quant_config(t, k, split=False)}
+        order = ("words", 128) if k % 128 == 0 else ("plain", 16)
         for rho in (0.0, 0.5):
-            ref = lambda v, rho=rho: pk.quantize_activations_rac(v, rac_ratio=rho, act_scale="token", backend="xla")
-            moved = t * k * 2 + t * k * (1.125 if rho == 0 else 2.25)  # read BF16, write codes + scales (and the residual's)
+            codes_ref = lambda v, rho=rho: pk.quantize_activations_rac(v, rac_ratio=rho, act_scale="token", backend="xla")
+            operand_ref = lambda v, rho=rho: pk.quantize_operand(v, rac_ratio=rho, order=order, backend="xla")
+            shape = f"T{t} K{k} rho{rho}"
+            codes_bytes = t * k * 2 + t * k * (1.125 if rho == 0 else 2.25)  # read BF16, write codes + scales (and the residual's)
             for name, cfg in cfgs.items():
-                for select in ("auto",) if rho == 0 else ("auto", "rank", "bisect", "radix"):
-                    if select != "auto" and select == cfg.select:
-                        continue
+                for select in ("auto",) if rho == 0 else ("auto", "bisect", "radix"):
                     c = dataclasses.replace(cfg, select=select)
-                    f = lambda v, c=c, rho=rho: pk.quantize_activations_rac(v, rac_ratio=rho, act_scale="token", backend="pallas", config=c)
-                    cases.append(Case("quant", f"T{t} K{k} rho{rho}", "quantize", f"pallas {name} {select}", f, (x,), ref=ref,
-                                      exact=True, bytes=moved, kept=(name == "default" and select == "auto")))
-            cases.append(Case("quant", f"T{t} K{k} rho{rho}", "quantize", "xla", ref, (x,), bytes=moved))
+                    kept = name == "default" and select == "auto"
+                    codes = lambda v, c=c, rho=rho: pk.quantize_activations_rac(v, rac_ratio=rho, act_scale="token", backend="pallas",
+                                                                                config=c)
+                    operand = lambda v, c=c, rho=rho: pk.quantize_operand(v, rac_ratio=rho, order=order, backend="pallas", config=c)
+                    cases += [Case("quant", shape, "codes", f"pallas {name} {select}", codes, (x,), ref=codes_ref, exact=True,
+                                   bytes=codes_bytes, kept=kept),
+                              Case("quant", shape, "GEMM operand", f"pallas {name} {select}", operand, (x,), ref=operand_ref,
+                                   exact=True, bytes=t * k * 4, kept=kept)]
+            cases += [Case("quant", shape, "codes", "xla", codes_ref, (x,), bytes=codes_bytes),
+                      Case("quant", shape, "GEMM operand", "xla", operand_ref, (x,), bytes=t * k * 4)]
     return cases
 
 
@@ -197,7 +202,7 @@ def grouped_cases(tiny: bool):
         wf = jnp.asarray(rng.standard_normal((e, n, k)) * k**-0.5, jnp.float32)
         w4, w8 = P.prepare_weight(wf, "w4a4"), P.prepare_weight(wf, "fp8")
         wbf, wi4 = pk.ExpertsKN.from_enk(wf, jnp.bfloat16), _int4_qarray(wf)
-        for t in (8,) if tiny else (64, 256):
+        for t in (8,) if tiny else (64, 256) if name.startswith("bench") else (64,):
             tok, gs_np = _routing(rng, t, e, topk)
             x = jnp.asarray(rng.standard_normal((t, k)), jnp.bfloat16)
             rows, gs = jnp.asarray(tok, jnp.int32), jnp.asarray(gs_np)
