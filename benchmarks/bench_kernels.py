@@ -82,14 +82,12 @@ def quant_cases(tiny: bool):
     import jax.numpy as jnp
 
     import pallas_kernels as pk
-    from pallas_kernels.quantizer import quant_config
-
     rng = np.random.default_rng(3)
     cases = []
     for t, k in ((8, 256),) if tiny else ((256, 1024), (256, 2048), (64, 1024), (2048, 512)):
         # heavy-tailed channels, as activations are: per-channel magnitudes spread over e^(+-2)
         x = jnp.asarray(rng.standard_normal((t, k)) * np.exp(rng.standard_normal(k)), jnp.bfloat16)
-        cfgs = {"default": quant_config(t, k), "one_row": quant_config(t, k, split=False)}
+        cfgs = {"default": pk.quant_config(t, k), "one_row": pk.quant_config(t, k, split=False)}
         order = ("words", 128) if k % 128 == 0 else ("plain", 16)
         for rho in (0.0, 0.5):
             codes_ref = lambda v, rho=rho: pk.quantize_activations_rac(v, rac_ratio=rho, act_scale="token", backend="xla")
@@ -117,7 +115,6 @@ def dense_cases(tiny: bool):
     import jax.numpy as jnp
 
     import pallas_kernels as pk
-    from pallas_kernels.tiling import PREFILL_DEQUANT_MIN_T
     from quads_jax import fp8
     from quads_jax.precision import prepare_weight
 
@@ -131,9 +128,8 @@ def dense_cases(tiny: bool):
         truth = np.asarray(x, np.float32) @ np.asarray(wf).T
         w4, w8, wb = prepare_weight(wf, "w4a4"), fp8.quantize(wf), wf.astype(jnp.bfloat16)
         io = 2 * t * (k + n)
-        regime = "decode" if t <= 64 else ("mid" if t < PREFILL_DEQUANT_MIN_T else "prefill")
-        shape = f"{regime} T{t} K{k} N{n}"
         plan = pk.gemm_config(t, n, k)
+        shape = f"{'decode' if t <= 64 else 'mid' if plan.path == 'fused' else 'prefill'} T{t} K{k} N{n}"
         other = dataclasses.replace(plan, path="dequant" if plan.path == "fused" else "fused")
         common = dict(truth=truth, bytes=_nbytes(w4) + io, flops=2 * t * k * n)
         for op, kw in (("w4a4+rac0.5", dict(rac_ratio=0.5, act_scale="token")), ("w4a4", dict(act_scale="token"))):
