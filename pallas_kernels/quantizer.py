@@ -248,17 +248,17 @@ def _store_operand(a_ref, rows_idx, rows_ok, start, quantized, residual, rows, c
         plgpu.store(a_ref.at[rows_idx, cols], v.reshape(rows, c // 2).astype(jnp.float16), mask=rows_ok)
 
 
-def _quant_kernel(*refs, t, k, cfg, n_sel, use_mask, arith, interpret, emit=None, rows_out=None):
-    refs = list(refs)
-    x_ref = refs.pop(0)
-    gx_ref = None if cfg.fused_amax else refs.pop(0)
-    mask_ref = refs.pop(0) if use_mask else None
+def _quant_kernel(*, x_ref, gx_ref=None, mask_ref=None, xc_ref=None, xs_ref=None, rc_ref=None, rs_ref=None, a_ref=None,
+                  gx_out_ref=None, t, k, cfg, n_sel, arith, interpret, order=None, rows_out=None):
+    """One program: ``block_rows`` token rows x the channels of part ``program_id(1)``.
+
+    Inputs: x, and the global scales ``gx_ref`` unless the kernel computes them (then it
+    writes them to ``gx_out_ref``), and RAC's selection ``mask_ref`` where XLA made it (the
+    per-tensor and per-channel modes; per token the kernel selects). Outputs: the codes and
+    scale bits of x (and of the selected residual with RAC), or with ``a_ref`` the FP16 GEMM
+    operand in the column ``order``."""
+    use_mask = mask_ref is not None
     rac_on = n_sel > 0 or use_mask
-    if emit:
-        a_ref = refs[0]
-    else:
-        xc_ref, xs_ref = refs[0], refs[1]
-        rc_ref, rs_ref = (refs[2], refs[3]) if rac_on else (None, None)
     bm, c, own = cfg.block_rows, cfg.chunk, k // cfg.parts
     i, p = pl.program_id(0), pl.program_id(1)
     row_sl = pl.ds(i * bm, bm)
@@ -268,12 +268,12 @@ def _quant_kernel(*refs, t, k, cfg, n_sel, use_mask, arith, interpret, emit=None
     # never a division: see gemm_tile_loop); with parts > 1 the whole row is loaded too, for
     # the amax and the residual energies, and kept in registers (K / (32 num_warps) a thread)
     at = lambda j, unit=1: p * (own // unit) + j * (c // unit)
-    whole = cfg.parts > 1 and (cfg.fused_amax or (n_sel > 0 and not use_mask))
+    whole = cfg.parts > 1 and (gx_out_ref is not None or (n_sel > 0 and not use_mask))
     row = [load(j * c) for j in range(k // c)] if whole else None
     chunks = [load(at(j)) for j in range(own // c)]
-    if cfg.fused_amax:
+    if gx_out_ref is not None:
         gx = _row_global_scale(row or chunks, arith)  # [bm, 1]
-        plgpu.store(refs[-1].at[row_sl, :], gx, mask=row_ok & (p == 0))
+        plgpu.store(gx_out_ref.at[row_sl, :], gx, mask=row_ok & (p == 0))
     else:
         gx = plgpu.load(gx_ref.at[row_sl, :], mask=row_ok, other=1.0)  # [bm, 1]
     owned = [_quantize_chunk(xe, xo, gx, bm, c, arith) for xe, xo in chunks]
@@ -297,9 +297,9 @@ def _quant_kernel(*refs, t, k, cfg, n_sel, use_mask, arith, interpret, emit=None
                 me = mo = selected[j][:, :, None]
             second[j] = _quantize_pair(jnp.where(me, re, 0.0), jnp.where(mo, ro, 0.0), gr, arith)
     for j, (q, r) in enumerate(zip(owned, second)):
-        if emit:  # every row of the (padded) operand is written; rows from T on are zero
+        if a_ref is not None:  # every row of the (padded) operand is written; rows from T on are zero
             rows_idx = (i * bm + jnp.arange(bm))[:, None]
-            _store_operand(a_ref, rows_idx, rows_idx < rows_out, at(j), q, r, bm, c, emit)
+            _store_operand(a_ref, rows_idx, rows_idx < rows_out, at(j), q, r, bm, c, order)
             continue
         _store_codes(xc_ref, xs_ref, row_sl, row_ok, at, j, q, bm, c)
         if r is not None:
@@ -314,23 +314,24 @@ def _quant_call(x, gx, mask, *, n_sel, use_mask, cfg, interpret, emit=None, rows
     t, k = x.shape
     rac_on = n_sel > 0 or use_mask
     rows = rows_out or t
+    codes = lambda: [jax.ShapeDtypeStruct((t, k // 2), jnp.uint8), jax.ShapeDtypeStruct((t, k // 16), jnp.uint8)]
+    ins = {"x_ref": x} | ({} if cfg.fused_amax else {"gx_ref": gx}) | ({"mask_ref": mask} if use_mask else {})
     if emit:
-        out_shape = [jax.ShapeDtypeStruct((rows, k), jnp.float16)]
+        outs = {"a_ref": jax.ShapeDtypeStruct((rows, k), jnp.float16)}
     else:
-        out_shape = [jax.ShapeDtypeStruct((t, k // 2), jnp.uint8), jax.ShapeDtypeStruct((t, k // 16), jnp.uint8)] * (2 if rac_on else 1)
+        outs = dict(zip(("xc_ref", "xs_ref"), codes())) | (dict(zip(("rc_ref", "rs_ref"), codes())) if rac_on else {})
     if cfg.fused_amax:
-        out_shape.append(jax.ShapeDtypeStruct((t, 1), jnp.float32))
-    kernel = functools.partial(_quant_kernel, t=t, k=k, cfg=cfg, n_sel=n_sel, use_mask=use_mask, arith=kernel_arith(interpret),
-                               interpret=interpret, emit=emit, rows_out=rows)
-    args = (x,) + (() if cfg.fused_amax else (gx,)) + ((mask,) if use_mask else ())
+        outs["gx_out_ref"] = jax.ShapeDtypeStruct((t, 1), jnp.float32)
+    names = list(ins) + list(outs)
+    kw = dict(t=t, k=k, cfg=cfg, n_sel=n_sel, arith=kernel_arith(interpret), interpret=interpret, order=emit, rows_out=rows)
     return pl.pallas_call(
-        kernel,
-        out_shape=out_shape,
+        lambda *refs: _quant_kernel(**dict(zip(names, refs)), **kw),
+        out_shape=list(outs.values()),
         grid=(pl.cdiv(rows, cfg.block_rows), cfg.parts),
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
         name="nvfp4_quantize_activations",
-    )(*args)
+    )(*ins.values())
 
 
 # ----------------------------------------------------------------------------- public API
