@@ -529,10 +529,14 @@ def block_values(t: NVFP4Tensor, dtype=jnp.bfloat16):
 # ----------------------------------------------------------------------------- fake quant
 
 
-def fake_quant(x, **kwargs):
-    """``dequantize(quantize(x, **kwargs))`` in x's dtype, with a straight-through
-    gradient: the identity for elements inside the representable range
-    (|x| <= 6 * 448 * global_scale) and zero for elements that saturate.
+def fake_quant(x, *, dtype=None, **kwargs):
+    """``dequantize(quantize(x, **kwargs))`` in ``dtype`` (default x's), with a
+    straight-through gradient in x's dtype: the identity for elements inside the
+    representable range (|x| <= 6 * 448 * global_scale) and zero for elements that saturate.
+
+    ``dtype`` is the type the product reads the weight in (the QAT step's BF16 from FP32
+    master weights): the same numbers as ``fake_quant(x).astype(dtype)`` (the FP32 values
+    rounded once), without writing and reading back the FP32 tensor.
 
     With the dynamic global scale (no ``global_scale`` given) nothing saturates by design,
     so the gradient is the plain identity: no mask is computed or kept for the backward
@@ -542,8 +546,8 @@ def fake_quant(x, **kwargs):
     kw = tuple(sorted(kwargs.items(), key=lambda kv: kv[0]))
     if kwargs.get("global_scale") is None:
         y, _ = _fq_forward(jax.lax.stop_gradient(x), kw)
-        return _ste_identity(x, y)
-    return _fake_quant_ste(x, kw)
+        return _ste_identity(x, y.astype(dtype or x.dtype))
+    return _fake_quant_ste(x, kw).astype(dtype or x.dtype)
 
 
 def _fq_forward(x, kw):
@@ -580,7 +584,8 @@ def _ste_identity(x, y):
     return y
 
 
-_ste_identity.defvjp(lambda x, y: (y, None), lambda _, g: (g, None))
+# the residual is an empty array of x's dtype: the cotangent goes back in x's type
+_ste_identity.defvjp(lambda x, y: (y, jnp.zeros((0,), x.dtype)), lambda r, g: (g.astype(r.dtype), None))
 
 
 def _fake_quant_ste(x, kw):

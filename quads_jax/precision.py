@@ -157,8 +157,10 @@ def quantize_weight(w) -> nvfp4.NVFP4Tensor:
     return nvfp4.quantize(w, **weight_quant_kwargs(w.ndim))
 
 
-def fake_quant_weight(w):
-    return nvfp4.fake_quant(w, **weight_quant_kwargs(w.ndim))
+def fake_quant_weight(w, dtype=None):
+    """The QAT weight: dq(q(w)) in ``dtype`` (default w's; the product's operand type) with
+    a straight-through gradient in w's dtype."""
+    return nvfp4.fake_quant(w, dtype=dtype, **weight_quant_kwargs(w.ndim))
 
 
 def prepare_weight(w, mode: str, dtype=None):
@@ -184,9 +186,9 @@ def _float_operands(x, w, mode: str):
     if mode == "fp8":
         return fp8.fake_quant(x, axis=-1), fp8.fake_quant(w, axis=-1)
     if mode == "nvfp4_w":
-        return x, fake_quant_weight(w)
+        return x, fake_quant_weight(w, x.dtype)
     if mode == "nvfp4_wa":
-        return _act_fq(x), fake_quant_weight(w)
+        return _act_fq(x), fake_quant_weight(w, x.dtype)
     if mode in ("bf16", "w4a4", "w4a16"):  # rollout modes on an unprepared weight: plain
         return x, w
     raise ValueError(f"mode={mode!r}: expected one of {TRAIN_MODES + ROLLOUT_MODES}")

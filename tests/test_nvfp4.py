@@ -378,3 +378,18 @@ def test_code_words_hold_the_same_bytes_and_values():
     assert tw.nbytes == t.nbytes
     with pytest.raises(ValueError, match="codes"):
         F.code_words(jnp.zeros((2, 6), jnp.uint8))  # 6 bytes a row: not whole words
+
+
+def test_fake_quant_in_the_product_dtype_equals_rounding_the_fp32_result():
+    """fake_quant(w, dtype=bf16) (the QAT weight in the product's type) is the FP32 result
+    rounded once, bit for bit, and its gradient comes back in w's dtype (FP32), straight through."""
+    rng = np.random.default_rng()
+    w = jnp.asarray(rng.standard_normal((4, 48, 64)) * np.exp(rng.standard_normal((4, 1, 64))), jnp.float32)
+    got = F.fake_quant(w, dtype=jnp.bfloat16, keep_axes=(0,))
+    assert got.dtype == jnp.bfloat16
+    want = F.fake_quant(w, keep_axes=(0,)).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint16), np.asarray(want).view(np.uint16))
+    ct = jnp.asarray(rng.standard_normal(w.shape), jnp.bfloat16)
+    g = jax.grad(lambda v: jnp.sum(F.fake_quant(v, dtype=jnp.bfloat16, keep_axes=(0,)).astype(jnp.float32) * ct))(w)
+    assert g.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(ct, np.float32))
