@@ -1,0 +1,47 @@
+"""The benchmark harness on a CPU (``--tiny``): every registry regime builds its cases, checks
+each against its XLA reference and writes JSON and markdown; the rollout sweep runs the
+engine. The device runs the same code at full size (benchmarks/gpu_session.sh)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(script, out, *args):
+    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), "--tiny", "--out", str(out), *args],
+                       capture_output=True, text=True, env=env, timeout=900)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_kernel_registry_checks_every_case_against_its_reference(tmp_path):
+    _run("bench_kernels.py", tmp_path, "--regimes", "quant,dense,grouped,attention")
+    res = json.load(open(tmp_path / "kernels.json"))
+    assert set(res["sections"]) >= {"ceilings", "quant", "dense", "grouped", "attention"}
+    for regime in ("quant", "dense", "grouped", "attention"):
+        rows = res["sections"][regime]
+        kept = [r for r in rows if r.get("kept")]
+        assert kept, regime
+        for r in kept:  # every default implementation ran, was checked, and passed
+            assert "error" not in r, r
+            assert r["check"] == "bit-exact" if regime == "quant" else "FAILS" not in r["check"], r
+            assert r["us"] > 0 and "fastest" in r
+    md = open(tmp_path / "kernels.md").read()
+    assert "## quant" in md and "**pallas default auto**" in md
+
+
+@pytest.mark.slow
+def test_rollout_sweep_times_every_recipe(tmp_path):
+    _run("bench_rollout.py", tmp_path, "--batches", "4", "--recipes", "bf16,quads", "--prompts", "8", "--new-tokens", "16",
+         "--profile-batches", "")
+    res = json.load(open(tmp_path / "rollout.json"))
+    for key in ("bf16/B4", "quads/B4"):
+        row = res["sections"]["sweep"][key]
+        assert row["step_ms"] > 0 and row["x_byte_limit"] > 0 and row["output_tok_per_s"] > 0, row
+    assert os.path.exists(tmp_path / "rollout.png")
