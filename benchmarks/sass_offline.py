@@ -159,7 +159,7 @@ def quant_cases(shapes=((16, 4096), (64, 4096), (16, 2048), (1, 4096))):
             for cfg, emit in ((default, None), (default, ("words", 256)), (one_row, None)):
                 rows = -(-t // 8) * 8 if emit else None
                 fn = lambda cfg=cfg, n_sel=n_sel, x=x, emit=emit, rows=rows: jax.jit(
-                    lambda v: QA._quant_call(v, None, None, n_sel=n_sel, use_mask=False, cfg=cfg, interpret=False, emit=emit, rows_out=rows)
+                    lambda v: QA._quant_call(v, n_sel=n_sel, cfg=cfg, interpret=False, emit=emit, rows_out=rows)
                 ).trace(x).lower(lowering_platforms=("cuda",))
                 out = "codes" if emit is None else f"operand {emit[0]}"
                 yield f"quant T{t} K{k} rho{rho} parts{cfg.parts} chunk{cfg.chunk} w{cfg.num_warps} -> {out}", fn, cfg

@@ -1,10 +1,11 @@
 """Activation quantization to NVFP4, with the RAC residual pass fused in.
 
 x [T, K] -> NVFP4 codes [T, K/2] and E4M3 block scales [T, K/16] with a dynamic global
-scale (per tensor, or per token), identical to ``quads_jax.nvfp4.quantize``. With
+scale per token (computed in the kernel), identical to ``quads_jax.nvfp4.quantize``. With
 ``rac_ratio > 0`` the same kernel also selects the residual blocks (per token, by energy,
 see ``rac.py``) and quantizes them a second time, so the rollout's activation side is one
-launch after a tiny amax reduction.
+launch. A per-tensor scale and RAC's tensor / channel selections (ablations) run the XLA
+reference.
 
 Kernel layout: the grid is (token rows / ``block_rows``, ``parts``). Program (i, p) owns
 the channels [p K / parts, (p + 1) K / parts) of its tokens: it quantizes and stores only
@@ -49,10 +50,6 @@ class QuantConfig:
     chunk: int = 1024
     num_warps: int = 4
     num_stages: int = 1
-    # per-token global scales computed inside the kernel (a first pass over the row) instead
-    # of by XLA reductions before it; the same bits either way. Default for per-token scales:
-    # it saved 2-3 us a call on the H200 (run 10: 11.2 -> 8.3 us at 16 x 2048 -> 768)
-    fused_amax: bool = True
     # RAC's in-kernel top fraction: "rank" (all-pairs count), "bisect" (31 counting steps),
     # "radix" (8 steps of 16-bin counts), or "auto" (rank for rows of up to RANK_MAX_BLOCKS
     # blocks, else bisect); the same selection either way
@@ -248,17 +245,13 @@ def _store_operand(a_ref, rows_idx, rows_ok, start, quantized, residual, rows, c
         plgpu.store(a_ref.at[rows_idx, cols], v.reshape(rows, c // 2).astype(jnp.float16), mask=rows_ok)
 
 
-def _quant_kernel(*, x_ref, gx_ref=None, mask_ref=None, xc_ref=None, xs_ref=None, rc_ref=None, rs_ref=None, a_ref=None,
-                  gx_out_ref=None, t, k, cfg, n_sel, arith, interpret, order=None, rows_out=None):
+def _quant_kernel(*, x_ref, gx_ref, xc_ref=None, xs_ref=None, rc_ref=None, rs_ref=None, a_ref=None,
+                  t, k, cfg, n_sel, arith, interpret, order=None, rows_out=None):
     """One program: ``block_rows`` token rows x the channels of part ``program_id(1)``.
 
-    Inputs: x, and the global scales ``gx_ref`` unless the kernel computes them (then it
-    writes them to ``gx_out_ref``), and RAC's selection ``mask_ref`` where XLA made it (the
-    per-tensor and per-channel modes; per token the kernel selects). Outputs: the codes and
-    scale bits of x (and of the selected residual with RAC), or with ``a_ref`` the FP16 GEMM
-    operand in the column ``order``."""
-    use_mask = mask_ref is not None
-    rac_on = n_sel > 0 or use_mask
+    Input: x. Outputs: the per-token global scales ``gx_ref``; the codes and scale bits of x
+    (and of the selected residual with RAC), or with ``a_ref`` the FP16 GEMM operand in the
+    column ``order``."""
     bm, c, own = cfg.block_rows, cfg.chunk, k // cfg.parts
     i, p = pl.program_id(0), pl.program_id(1)
     row_sl = pl.ds(i * bm, bm)
@@ -268,34 +261,24 @@ def _quant_kernel(*, x_ref, gx_ref=None, mask_ref=None, xc_ref=None, xs_ref=None
     # never a division: see gemm_tile_loop); with parts > 1 the whole row is loaded too, for
     # the amax and the residual energies, and kept in registers (K / (32 num_warps) a thread)
     at = lambda j, unit=1: p * (own // unit) + j * (c // unit)
-    whole = cfg.parts > 1 and (gx_out_ref is not None or (n_sel > 0 and not use_mask))
-    row = [load(j * c) for j in range(k // c)] if whole else None
+    row = [load(j * c) for j in range(k // c)] if cfg.parts > 1 else None
     chunks = [load(at(j)) for j in range(own // c)]
-    if gx_out_ref is not None:
-        gx = _row_global_scale(row or chunks, arith)  # [bm, 1]
-        plgpu.store(gx_out_ref.at[row_sl, :], gx, mask=row_ok & (p == 0))
-    else:
-        gx = plgpu.load(gx_ref.at[row_sl, :], mask=row_ok, other=1.0)  # [bm, 1]
+    gx = _row_global_scale(row or chunks, arith)  # [bm, 1]
+    plgpu.store(gx_ref.at[row_sl, :], gx, mask=row_ok & (p == 0))
     owned = [_quantize_chunk(xe, xo, gx, bm, c, arith) for xe, xo in chunks]
     second = [None] * len(owned)
-    if rac_on:
+    if n_sel > 0:
         residuals = [_residual(q, gx, arith) for q in owned]
-        if not use_mask:
-            own_energy = [e for _, _, e in residuals]
-            # with parts > 1 the row's energies come from its whole, quantized once more here
-            # (the owned chunks' share again: their index is the program's, not a constant)
-            row_energy = own_energy if row is None else [_residual(_quantize_chunk(xe, xo, gx, bm, c, arith), gx, arith)[-1]
-                                                        for xe, xo in row]
-            selected = _top_blocks(own_energy, row_energy, n_sel, bm, cfg.select)
+        own_energy = [e for _, _, e in residuals]
+        # with parts > 1 the row's energies come from its whole, quantized once more here
+        # (the owned chunks' share again: their index is the program's, not a constant)
+        row_energy = own_energy if row is None else [_residual(_quantize_chunk(xe, xo, gx, bm, c, arith), gx, arith)[-1]
+                                                    for xe, xo in row]
+        selected = _top_blocks(own_energy, row_energy, n_sel, bm, cfg.select)
         gr = gx * rac.RESIDUAL_SCALE_FACTOR
         for j, (re, ro, _) in enumerate(residuals):
-            if use_mask:
-                me, mo = load_even_odd(mask_ref, row_sl, at(j), c, row_ok, interpret)
-                me = _split_blocks(me, bm, c) != 0
-                mo = _split_blocks(mo, bm, c) != 0
-            else:
-                me = mo = selected[j][:, :, None]
-            second[j] = _quantize_pair(jnp.where(me, re, 0.0), jnp.where(mo, ro, 0.0), gr, arith)
+            m = selected[j][:, :, None]
+            second[j] = _quantize_pair(jnp.where(m, re, 0.0), jnp.where(m, ro, 0.0), gr, arith)
     for j, (q, r) in enumerate(zip(owned, second)):
         if a_ref is not None:  # every row of the (padded) operand is written; rows from T on are zero
             rows_idx = (i * bm + jnp.arange(bm))[:, None]
@@ -306,23 +289,20 @@ def _quant_kernel(*, x_ref, gx_ref=None, mask_ref=None, xc_ref=None, xs_ref=None
             _store_codes(rc_ref, rs_ref, row_sl, row_ok, at, j, r, bm, c)
 
 
-@functools.partial(jax.jit, static_argnames=("n_sel", "use_mask", "cfg", "interpret", "emit", "rows_out"))
-def _quant_call(x, gx, mask, *, n_sel, use_mask, cfg, interpret, emit=None, rows_out=None):
+@functools.partial(jax.jit, static_argnames=("n_sel", "cfg", "interpret", "emit", "rows_out"))
+def _quant_call(x, *, n_sel, cfg, interpret, emit=None, rows_out=None):
     """The kernel's outputs: codes and scale bits of x (and of the residual with RAC), then
-    the per-token global scales when the kernel computes them; with ``emit`` (an order, see
+    the per-token global scales [T, 1]; with ``emit`` (an order, see
     ``tile_math.operand_columns``) the FP16 token operand [rows_out, K] in place of the codes."""
     t, k = x.shape
-    rac_on = n_sel > 0 or use_mask
     rows = rows_out or t
     codes = lambda: [jax.ShapeDtypeStruct((t, k // 2), jnp.uint8), jax.ShapeDtypeStruct((t, k // 16), jnp.uint8)]
-    ins = {"x_ref": x} | ({} if cfg.fused_amax else {"gx_ref": gx}) | ({"mask_ref": mask} if use_mask else {})
     if emit:
         outs = {"a_ref": jax.ShapeDtypeStruct((rows, k), jnp.float16)}
     else:
-        outs = dict(zip(("xc_ref", "xs_ref"), codes())) | (dict(zip(("rc_ref", "rs_ref"), codes())) if rac_on else {})
-    if cfg.fused_amax:
-        outs["gx_out_ref"] = jax.ShapeDtypeStruct((t, 1), jnp.float32)
-    names = list(ins) + list(outs)
+        outs = dict(zip(("xc_ref", "xs_ref"), codes())) | (dict(zip(("rc_ref", "rs_ref"), codes())) if n_sel > 0 else {})
+    outs["gx_ref"] = jax.ShapeDtypeStruct((t, 1), jnp.float32)
+    names = ["x_ref"] + list(outs)
     kw = dict(t=t, k=k, cfg=cfg, n_sel=n_sel, arith=kernel_arith(interpret), interpret=interpret, order=emit, rows_out=rows)
     return pl.pallas_call(
         lambda *refs: _quant_kernel(**dict(zip(names, refs)), **kw),
@@ -331,7 +311,7 @@ def _quant_call(x, gx, mask, *, n_sel, use_mask, cfg, interpret, emit=None, rows
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
         name="nvfp4_quantize_activations",
-    )(*ins.values())
+    )(x)
 
 
 # ----------------------------------------------------------------------------- public API
@@ -356,28 +336,23 @@ def quantize_activations_rac(x, *, rac_ratio: float = 0.0, rac_mode: str = "toke
     """x [T, K] -> (q(x), q(r_sel) or None): NVFP4 activations and the RAC residual tensor.
 
     Both carry global scales of shape [T, 1]. ``backend`` picks the Pallas kernel or the
-    XLA reference (same numbers)."""
+    XLA reference (same numbers). The kernel covers the rollout's quantization, per-token
+    global scales (``act_scale="token"``) and RAC's per-token selection; a per-tensor scale
+    or the tensor / channel selections (ablations) run the reference."""
     _check_x(x)
     rac.check_rac(rac_ratio, rac_mode)
     t, k = x.shape
     n_sel = rac.num_selected(rac_ratio, k // 16)
-    if resolve_backend(backend) == "xla":
+    if config is not None:
+        config.check(k)
+    if resolve_backend(backend) == "xla" or act_scale != "token" or (rac_ratio > 0 and rac_mode != "token"):
         gx = rac.activation_global_scale(x, act_scale)
         xq = nvfp4.quantize(x.astype(jnp.float32), global_scale=gx)
         rq = rac.quantize_residual(x, gx, rac_ratio, rac_mode) if rac_ratio > 0 else None
         return xq, rq
     cfg = config or quant_config(t, k)
     cfg.check(k)
-    use_mask = rac_ratio > 0 and rac_mode != "token"
-    if cfg.fused_amax and (act_scale != "token" or use_mask):
-        cfg = dataclasses.replace(cfg, fused_amax=False)  # a per-tensor scale or mask needs the whole tensor first
-    gx = None if cfg.fused_amax else rac.activation_global_scale(x, act_scale)
-    mask = None
-    if use_mask:
-        mask = rac.selection_mask(rac.residual(x, gx), rac_ratio, rac_mode).astype(jnp.int8)
-    outs = _quant_call(x, gx, mask, n_sel=n_sel if rac_ratio > 0 else 0, use_mask=use_mask, cfg=cfg, interpret=interpret_mode())
-    if cfg.fused_amax:
-        *outs, gx = outs
+    *outs, gx = _quant_call(x, n_sel=n_sel if rac_ratio > 0 else 0, cfg=cfg, interpret=interpret_mode())
     xq = _tensor(outs[0], outs[1], gx, (t, k))
     rq = _tensor(outs[2], outs[3], rac.residual_global_scale(gx), (t, k)) if len(outs) == 4 else None
     return xq, rq
@@ -405,12 +380,12 @@ def quantize_operand(x, *, rac_ratio: float = 0.0, order=("plain", 16), rows: in
         xq, rq = quantize_activations_rac(x, rac_ratio=rac_ratio, act_scale="token", backend="xla")
         a = rac.token_operand(xq, rq)[:, np.argsort(cols)]
         return jnp.pad(a, ((0, rows - t), (0, 0))), xq.global_scale
-    cfg = dataclasses.replace(config or quant_config(t, k), fused_amax=True)
+    cfg = config or quant_config(t, k)
     cfg.check(k)
     interpret = interpret_mode()
     xin = jnp.pad(x, ((0, rows - t), (0, 0))) if interpret else x  # interpret mode clamps out-of-range loads
-    a, gx = _quant_call(xin, None, None, n_sel=rac.num_selected(rac_ratio, k // 16), use_mask=False, cfg=cfg, interpret=interpret,
-                        emit=tuple(order), rows_out=rows)
+    a, gx = _quant_call(xin, n_sel=rac.num_selected(rac_ratio, k // 16), cfg=cfg, interpret=interpret, emit=tuple(order),
+                        rows_out=rows)
     return a, gx[:t]
 
 

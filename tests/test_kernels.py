@@ -397,9 +397,12 @@ def test_gemm_config_rejects_bad_values():
 
 
 @pytest.mark.parametrize("rho", [0.0, 0.5])
-def test_quantizer_fused_amax_equals_xla(rng, rho):
-    x = jnp.asarray(heavy(rng, (37, 512))).astype(jnp.bfloat16).at[3].set(0.0)  # an all-zero token
-    cfg = pk.QuantConfig(chunk=128, fused_amax=True)
+def test_quantizer_per_token_scales_equal_xla(rng, rho):
+    """The kernel's per-token global scales (an all-zero token gets 1.0) and codes equal the
+    reference's bits. A per-tensor scale and the tensor / channel selections run the
+    reference itself: no kernel in their program."""
+    x = jnp.asarray(heavy(rng, (37, 512))).astype(jnp.bfloat16).at[3].set(0.0)
+    cfg = pk.QuantConfig(chunk=128)
     xa, ra = pk.quantize_activations_rac(x, rac_ratio=rho, act_scale="token", backend="xla")
     xb, rb = pk.quantize_activations_rac(x, rac_ratio=rho, act_scale="token", backend="pallas", config=cfg)
     np.testing.assert_array_equal(np.asarray(xa.global_scale).view(np.uint32), np.asarray(xb.global_scale).view(np.uint32))
@@ -409,9 +412,10 @@ def test_quantizer_fused_amax_equals_xla(rng, rho):
     if rho:
         np.testing.assert_array_equal(np.asarray(ra.codes), np.asarray(rb.codes))
         np.testing.assert_array_equal(np.asarray(ra.global_scale), np.asarray(rb.global_scale))
-    # a per-tensor scale needs the whole tensor first: the option falls back to the XLA amax
-    xt = pk.quantize_activations(x, act_scale="tensor", backend="pallas", config=cfg)
-    np.testing.assert_array_equal(np.asarray(xt.codes), np.asarray(pk.quantize_activations(x, act_scale="tensor", backend="xla").codes))
+    kernels = lambda **kw: str(jax.make_jaxpr(lambda v: pk.quantize_activations_rac(v, backend="pallas", **kw))(x)).count("pallas_call")
+    assert kernels(rac_ratio=rho, act_scale="token") == 1
+    assert kernels(rac_ratio=rho, act_scale="tensor") == 0
+    assert kernels(rac_ratio=0.5, rac_mode="channel", act_scale="token") == 0
 
 
 def test_quant_config_is_checked(rng):
@@ -423,15 +427,14 @@ def test_quant_config_is_checked(rng):
         pk.QuantConfig(parts=3)
     x = jnp.asarray(rng.standard_normal((4, 192)), jnp.bfloat16)
     with pytest.raises(ValueError, match="chunk=128 must divide K=192"):
-        pk.quantize_activations(x, backend="pallas", config=pk.QuantConfig(chunk=128))
+        pk.quantize_activations(x, act_scale="token", backend="pallas", config=pk.QuantConfig(chunk=128))
     with pytest.raises(ValueError, match="parts=8 must divide K=192"):
-        pk.quantize_activations(x, backend="pallas", config=pk.QuantConfig(chunk=16, parts=8))
+        pk.quantize_activations(x, act_scale="token", backend="pallas", config=pk.QuantConfig(chunk=16, parts=8))
     with pytest.raises(ValueError, match="chunk=64 must divide K=192 / parts=4"):
-        pk.quantize_activations(x, backend="pallas", config=pk.QuantConfig(chunk=64, parts=4))
+        pk.quantize_activations(x, act_scale="token", backend="pallas", config=pk.QuantConfig(chunk=64, parts=4))
 
 
-@pytest.mark.parametrize("act_scale,rac_mode", [("token", "token"), ("tensor", "channel")])  # in-kernel selection; a mask
-def test_quantizer_row_split_is_bit_identical(rng, act_scale, rac_mode):
+def test_quantizer_row_split_is_bit_identical(rng):
     """``QuantConfig.parts`` programs a row (each storing its share of the channels, the
     amax and RAC's selection taken over the whole row) give the XLA reference's bits for any
     split, with ties across the parts' boundary and T not a multiple of anything."""
@@ -440,10 +443,10 @@ def test_quantizer_row_split_is_bit_identical(rng, act_scale, rac_mode):
     blocks[2, 6:10] = blocks[2, 0]  # a tie spanning parts (16-channel blocks 6..9 cross channel 128)
     x = jnp.asarray(blocks.reshape(11, 512)).astype(jnp.bfloat16).at[4].set(0.0)  # and an all-zero token
     for rho in (0.0, 0.25):
-        xa, ra = pk.quantize_activations_rac(x, rac_ratio=rho, rac_mode=rac_mode, act_scale=act_scale, backend="xla")
+        xa, ra = pk.quantize_activations_rac(x, rac_ratio=rho, act_scale="token", backend="xla")
         for parts, chunk, select in ((2, 128, "rank"), (4, 64, "bisect"), (2, 64, "radix"), (8, 64, "auto")):
             cfg = pk.QuantConfig(chunk=chunk, parts=parts, select=select)
-            xb, rb = pk.quantize_activations_rac(x, rac_ratio=rho, rac_mode=rac_mode, act_scale=act_scale, backend="pallas", config=cfg)
+            xb, rb = pk.quantize_activations_rac(x, rac_ratio=rho, act_scale="token", backend="pallas", config=cfg)
             for a, b in ((xa, xb), (ra, rb)) if rho else ((xa, xb),):
                 np.testing.assert_array_equal(np.asarray(a.codes), np.asarray(b.codes), err_msg=f"{cfg}")
                 np.testing.assert_array_equal(np.asarray(a.scales).view(np.uint8), np.asarray(b.scales).view(np.uint8))
