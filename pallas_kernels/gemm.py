@@ -112,13 +112,12 @@ def operand_dtype(a_refs):
 
 
 def make_loaders(*, a_refs, w_refs, act_sl, act_ok, col_sl, col_ok, cfg, interpret, w_index=()):
-    """Tile loaders for the activation rows ``act_sl`` (one BF16 or FP16 ref of values, or
-    codes and scale bits) and the weight codes. Each returns the tile's channels in parts,
+    """Tile loaders for the activation rows ``act_sl`` (one BF16 or FP16 ref of values) and
+    the weight codes. Each returns the tile's channels in parts,
     the same parts for both operands: the even and odd channels, or with ``decode="words"``
     the eight word parts (``tile_math.WORD_CHANNELS``; activation values then come in that
     order, see ``activation_operands``). Both come in ``operand_dtype(a_refs)``."""
     bn, bk = cfg.block_n, cfg.block_k
-    rows = act_sl.size
     wc_ref, ws_ref = w_refs
     words = cfg.decode == "words"
     dtype = operand_dtype(a_refs)
@@ -132,15 +131,6 @@ def make_loaders(*, a_refs, w_refs, act_sl, act_ok, col_sl, col_ok, cfg, interpr
         ws = plgpu.load(ws_ref.at[(*w_index, col_sl, pl.ds(kt * (bk // 16), bk // 16))], mask=col_ok, other=0)
         return decode_tile(wc, ws, bn, bk, dtype)
 
-    def load_codes(kt):
-        c_ref, s_ref = a_refs
-        s = plgpu.load(s_ref.at[act_sl, pl.ds(kt * (bk // 16), bk // 16)], mask=act_ok, other=0)
-        if words:
-            c = plgpu.load(c_ref.at[act_sl, pl.ds(kt * (bk // 8), bk // 8)], mask=act_ok, other=0)
-            return tuple(decode_words(c, s, rows, bk, interpret))
-        c = plgpu.load(c_ref.at[act_sl, pl.ds(kt * (bk // 2), bk // 2)], mask=act_ok, other=0)
-        return tuple(decode_tile(c, s, rows, bk))
-
     def load_values(kt):
         [x_ref] = a_refs
         if words:  # laid out in word-part order by activation_operands: contiguous slices
@@ -149,7 +139,7 @@ def make_loaders(*, a_refs, w_refs, act_sl, act_ok, col_sl, col_ok, cfg, interpr
         even, odd = load_even_odd(x_ref, act_sl, kt * bk, bk, act_ok, interpret, other=0.0)
         return even.astype(dtype), odd.astype(dtype)
 
-    return (load_values if len(a_refs) == 1 else load_codes), load_w
+    return load_values, load_w
 
 
 def pop_operand_refs(refs, na, has_gx):
@@ -161,26 +151,19 @@ def pop_operand_refs(refs, na, has_gx):
 
 
 def activation_operands(x, xq, rq, cfg, rac_sum="fp16"):
-    """The GEMM's activation inputs: (a, gx, r) with a and r either (values,) or (codes,
-    scale bits). ``xq`` None is w4a16 (BF16 x, no global scale). With ``cfg.act_load ==
-    "values"`` the quantized operands enter as their BF16 block values (exact), decoded once
-    here instead of once per program. A residual with ``rac_sum="fp16"`` enters summed into
-    one FP16 operand (``rac.compensated_values``, not an NVFP4 tensor: values whatever
-    ``act_load`` says) and r is None. With ``cfg.decode == "words"`` codes enter as uint32
-    words and values in the word parts' channel order (``tile_math.to_word_parts_order``)."""
-    words = cfg.decode == "words"
-    order = (lambda v: to_word_parts_order(v, cfg.block_k)) if words else (lambda v: v)
+    """The GEMM's activation inputs (a, gx, r): each a tuple of one operand of values. ``xq``
+    None is w4a16 (BF16 x, no global scale). Quantized operands enter as their block values
+    (exact in BF16), decoded once here, not once per program. A residual with
+    ``rac_sum="fp16"`` enters summed into one FP16 operand (``rac.compensated_values``) and r
+    is None. With ``cfg.decode == "words"`` the values come in the word parts' channel order
+    (``tile_math.to_word_parts_order``)."""
+    order = (lambda v: to_word_parts_order(v, cfg.block_k)) if cfg.decode == "words" else (lambda v: v)
     if xq is None:
         return (order(x.astype(jnp.bfloat16)),), None, None
     if rq is not None and rac_sum == "fp16":
         return (order(rac.compensated_values(xq, rq)),), xq.global_scale, None
-    if cfg.act_load == "values":
-        a = (order(nvfp4.block_values(xq, jnp.bfloat16)),)
-        r = None if rq is None else (order(nvfp4.block_values(rq, jnp.bfloat16)),)
-    else:
-        codes = nvfp4.code_words if words else (lambda c: c)
-        a = (codes(xq.codes), _bits(xq.scales))
-        r = None if rq is None else (codes(rq.codes), _bits(rq.scales))
+    a = (order(nvfp4.block_values(xq, jnp.bfloat16)),)
+    r = None if rq is None else (order(nvfp4.block_values(rq, jnp.bfloat16)),)
     return a, xq.global_scale, r
 
 
@@ -441,6 +424,6 @@ def operand_order(x, cfg, *, mode, rac_ratio, rac_mode, rac_sum, act_scale):
     if (isinstance(x, QuantizedRows) or mode != "w4a4" or act_scale != "token" or rac_mode != "token"
             or (rac_ratio > 0 and rac_sum != "fp16")):
         return None
-    if cfg.path == "fused" and cfg.act_load == "values":
+    if cfg.path == "fused":
         return ("words", cfg.block_k) if cfg.decode == "words" else ("plain", 16)
     return None

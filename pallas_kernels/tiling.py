@@ -38,16 +38,10 @@ class GemmConfig:
     # tile once per row tile, so at prefill sizes its decode work is T / block_m times the
     # weight, and the dot's MMA pipeline is far ahead; decode sizes move the weight once.
     path: str = "fused"
-    # W4A4 activations (and residual) enter the fused kernel as "codes" (packed codes + scale
-    # bits, decoded in every program) or "values" (their BF16 block values, exact, decoded once
-    # by XLA before the kernel: [T, K] BF16 is small at decode sizes and read from L2)
-    act_load: str = "codes"
 
     def __post_init__(self):
         if self.decode not in DECODES:
             raise ValueError(f"GemmConfig.decode={self.decode!r}: expected one of {DECODES}")
-        if self.act_load not in ACT_LOADS:
-            raise ValueError(f"GemmConfig.act_load={self.act_load!r}: expected one of {ACT_LOADS}")
         if self.path not in PATHS:
             raise ValueError(f"GemmConfig.path={self.path!r}: expected one of {PATHS}")
         if self.decode == "words" and self.block_k < 128:
@@ -62,7 +56,6 @@ class GemmConfig:
 
 DECODES = ("bits", "words")
 PATHS = ("fused", "dequant")
-ACT_LOADS = ("codes", "values")
 PREFILL_DEQUANT_MIN_T = 512  # token count from which the dense GEMM takes path="dequant"
 
 
@@ -98,8 +91,5 @@ def gemm_config(t: int, n: int, k: int, programs_per_row_tile: int = 1, stacked:
     # each program keeps >= 2 K tiles
     while tiles * split < 1.5 * sms and (k // bk) % (split * 2) == 0 and k // (bk * split * 2) >= 2:
         split *= 2
-    # the grouped byte decode reads activation codes (4x fewer bytes than values for the N /
-    # block_n programs of a row tile); the word decode reads values
-    act_load = "codes" if grouped and decode != "words" else "values"
     return GemmConfig(block_m=bm, block_n=bn, block_k=bk, split_k=split, num_warps=4, num_stages=stages, swap_ab=True,
-                      decode=decode, act_load=act_load, path="fused")
+                      decode=decode, path="fused")

@@ -263,13 +263,12 @@ def word_decode_emulated(words, key="bf16"):
     return np.stack(out, axis=-1).astype(np.uint16)
 
 
-@pytest.mark.parametrize("decode,swap_ab,act_load", [("bits", False, "codes"), ("bits", True, "values"), ("bits", True, "codes"),
-                                                     ("words", True, "values"), ("words", True, "codes"), ("words", False, "values")])
-def test_gemm_decode_variants_equal_xla(rng, decode, swap_ab, act_load):
+@pytest.mark.parametrize("decode,swap_ab", [("bits", False), ("bits", True), ("words", True), ("words", False)])
+def test_gemm_decode_variants_equal_xla(rng, decode, swap_ab):
     x = jnp.asarray(heavy(rng, (21, 256))).astype(jnp.bfloat16)
     w = nvfp4.quantize(jnp.asarray(rng.standard_normal((80, 256)).astype(np.float32)))
     bk = 128 if decode == "words" else 64
-    cfg = pk.GemmConfig(block_m=16, block_n=32, block_k=bk, split_k=2, decode=decode, swap_ab=swap_ab, act_load=act_load)
+    cfg = pk.GemmConfig(block_m=16, block_n=32, block_k=bk, split_k=2, decode=decode, swap_ab=swap_ab)
     for kw in ({"rac_ratio": 0.5}, {"rac_ratio": 0.5, "rac_sum": "exact"}, {"mode": "w4a16"}):
         a = pk.nvfp4_matmul(x, w, backend="xla", out_dtype=jnp.float32, **kw)
         b = pk.nvfp4_matmul(x, w, backend="pallas", out_dtype=jnp.float32, config=cfg, **kw)
@@ -315,7 +314,7 @@ def test_decode_tiles_follow_the_measured_choices():
 
     for t, stacked in ((16, False), (64, False), (64, True)):
         c = tiling.gemm_config(t, 14336, 4096, stacked=stacked)
-        assert (c.decode, c.block_n, c.act_load, c.swap_ab) == ("words", 128, "values", True)
+        assert (c.decode, c.block_n, c.swap_ab) == ("words", 128, True)
         assert c.split_k * c.block_k <= 4096 and 4096 % (c.split_k * c.block_k) == 0
         # large weights: 256-channel K tiles, split to 1.5 waves (112 N tiles x 2), 3 stages;
         # stacked rows keep 128-channel tiles (shared memory), 2 stages above 16 tokens
@@ -327,9 +326,8 @@ def test_decode_tiles_follow_the_measured_choices():
     small = tiling.gemm_config(16, 768, 2048)
     assert (small.block_k, small.split_k) == (128, 8)  # few N tiles: deep split, 2 K tiles a program
     g = tiling.gemm_config(8, 768, 2048, programs_per_row_tile=64)
-    assert (g.decode, g.block_n, g.act_load) == ("words", 64, "values")
+    assert (g.decode, g.block_n) == ("words", 64)
     assert tiling.gemm_config(16, 768, 96).decode == "bits"  # K tile 32
-    assert tiling.gemm_config(8, 768, 96, programs_per_row_tile=64).act_load == "codes"  # the grouped byte decode reads codes
     # the split follows the device's multiprocessors (here given): fewer SMs, less split
     assert tiling.gemm_config(16, 768, 2048, num_sms=16).split_k < small.split_k
     # the stacked rows follow rac_sum: only "exact" stacks
@@ -390,8 +388,8 @@ def test_gemm_config_rejects_bad_values():
         pk.GemmConfig(block_m=16, block_n=32, block_k=64, decode="lut")
     with pytest.raises(ValueError, match="path"):
         pk.GemmConfig(block_m=16, block_n=32, block_k=64, path="cublas")
-    with pytest.raises(ValueError, match="act_load"):
-        pk.GemmConfig(block_m=16, block_n=32, block_k=64, act_load="fp8")
+    with pytest.raises(ValueError, match="decode"):
+        pk.GemmConfig(block_m=16, block_n=32, block_k=64, decode="prmt")
     with pytest.raises(ValueError, match="block_n"):
         pk.GemmConfig(block_m=16, block_n=48, block_k=64)
 
