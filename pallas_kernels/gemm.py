@@ -9,11 +9,10 @@ gw their global scales. Hopper has no FP4 tensor cores: each weight tile is deco
 in registers (codes -> E2M1 -> times the block scale -> BF16) and feeds one BF16 MMA
 (``tile_math.mma_acc``: accumulating in place), the global scales applied in the epilogue.
 That is a native NVFP4 GEMM's numerics up to accumulation order, while moving 4.5 bits per
-weight. RAC (``rac_sum``, see ``pallas_kernels.rac``): by default the token operand is the
-compensated activation Xq + Rq / 4 rounded once to FP16, the weight decoded to FP16 (exact),
-so RAC costs no extra MMA; with ``rac_sum="exact"`` the token operand holds each token's
-activation row and its residual row next to it (twice the tokens, not twice the MMAs), the
-pairs summed in the epilogue.
+weight. RAC (see ``pallas_kernels.rac``): the token operand is the compensated activation
+Xq + Rq / 4 rounded once to FP16, the weight decoded to FP16 (exact), so RAC costs no extra
+MMA. ``rac_sum="exact"`` (the two products summed in FP32, as the SGLang plugin computes
+them; for parity checks) runs the dequantized dot below, not the fused kernel.
 
 Packed codes hold channel 2j in the low and 2j+1 in the high nibble, so a K-tile splits
 into its even and odd channels: ``A_even @ W_even.T + A_odd @ W_odd.T``, which needs no
@@ -56,71 +55,36 @@ MODES = ("w4a4", "w4a16")
 # tiles: GemmConfig and the gemm_config heuristic live in pallas_kernels.tiling
 
 
-def gemm_tile_loop(*, kt_start, steps, cfg, rows, load_a, load_w):
-    """The shared main loop: accumulates A @ W.T over ``steps`` K-tiles in FP32, A being the
-    ``rows`` activation rows of the tile (with RAC, the activation and residual rows
-    interleaved: ``stack_residual``). Returns the raw accumulator ([block_n, rows] when
-    swapped: see ``finish_tile``).
+def gemm_tile_loop(*, kt_start, steps, cfg, load_a, load_w):
+    """The shared main loop: accumulates A @ W.T over ``steps`` K-tiles in FP32 for the
+    ``block_m`` activation rows of the tile. Returns the [block_m, block_n] tile (with
+    ``swap_ab`` accumulated as W @ A.T, [block_n, block_m], and transposed at the end).
 
     Loaders take the K-tile index ``kt`` and form their offsets as kt times a constant: no
     integer division in an index (a floor division hides the offsets' alignment from
     Triton, which then loads the codes byte by byte instead of 16 bytes at a time)."""
-    bn = cfg.block_n
+    bm, bn = cfg.block_m, cfg.block_n
 
     def body(i, acc):
         kt = kt_start + i
         for a, w in zip(load_a(kt), load_w(kt)):  # the tile's channels in parts (even/odd, or 8 word parts)
-            # swap_ab: accumulate the transposed tile W @ A.T ([bn, rows]); finish_tile transposes it
             acc = mma_acc(acc, w, a) if cfg.swap_ab else mma_acc(acc, a, w)
         return acc
 
-    return jax.lax.fori_loop(0, steps, body, jnp.zeros((bn, rows) if cfg.swap_ab else (rows, bn), jnp.float32))
-
-
-def finish_tile(acc, cfg, stacked):
-    """The accumulator -> the [block_m, block_n] tile of A @ W.T / RAC's Xq @ W.T + Rq' @ W.T.
-
-    With RAC the MMA's token operand holds each token's activation row and residual row side
-    by side (``stack_residual``): one MMA of twice the tokens per weight part instead of two
-    MMAs, the decoded weight read once. The pair is summed here, the residual's times
-    ``rac.RESIDUAL_SCALE_FACTOR`` (gr / gx, a power of two: exact), so the epilogue's gx
-    scales both: gx * (Xq @ W.T) + gr * (Rq @ W.T)."""
-    bm, bn = cfg.block_m, cfg.block_n
-    if stacked:
-        if cfg.swap_ab:  # [bn, 2 bm]: tokens on the last axis
-            parts, axis = acc.reshape(bn, bm, 2), 2
-            which = jax.lax.broadcasted_iota(jnp.int32, (1, 1, 2), 2)
-        else:  # [2 bm, bn]
-            parts, axis = acc.reshape(bm, 2, bn), 1
-            which = jax.lax.broadcasted_iota(jnp.int32, (1, 2, 1), 1)
-        acc = jnp.sum(parts * jnp.where(which == 0, 1.0, rac.RESIDUAL_SCALE_FACTOR), axis=axis)
+    acc = jax.lax.fori_loop(0, steps, body, jnp.zeros((bn, bm) if cfg.swap_ab else (bm, bn), jnp.float32))
     return acc.T if cfg.swap_ab else acc
 
 
-def stack_residual(a, r):
-    """Interleave the activation operands' rows with the residual's: row 2t is token t's
-    activations, row 2t + 1 its residual (any row tile [s, s + bm) of tokens is then the
-    contiguous rows [2s, 2s + 2bm), also the grouped GEMM's unaligned ones)."""
-    inter = lambda u, v: jnp.stack([u, v], axis=1).reshape(2 * u.shape[0], *u.shape[1:])
-    return tuple(map(inter, a, r))
-
-
-def operand_dtype(a_refs):
-    """The MMA operand type: FP16 for RAC's FP16 compensated activations (``rac_sum="fp16"``),
-    else BF16; the weight is decoded to it (exact in both)."""
-    return jnp.float16 if len(a_refs) == 1 and a_refs[0].dtype == jnp.float16 else jnp.bfloat16
-
-
-def make_loaders(*, a_refs, w_refs, act_sl, act_ok, col_sl, col_ok, cfg, interpret, w_index=()):
-    """Tile loaders for the activation rows ``act_sl`` (one BF16 or FP16 ref of values) and
-    the weight codes. Each returns the tile's channels in parts,
+def make_loaders(*, x_ref, wc_ref, ws_ref, act_sl, act_ok, col_sl, col_ok, cfg, interpret, w_index=()):
+    """Tile loaders for the activation rows ``act_sl`` of ``x_ref`` (BF16 values, or RAC's
+    FP16 compensated values) and the weight codes. Each returns the tile's channels in parts,
     the same parts for both operands: the even and odd channels, or with ``decode="words"``
     the eight word parts (``tile_math.WORD_CHANNELS``; activation values then come in that
-    order, see ``activation_operands``). Both come in ``operand_dtype(a_refs)``."""
+    order, see ``activation_operand``). Both come in the activations' type (the MMA operand
+    type; the weight's block values are exact in BF16 and FP16)."""
     bn, bk = cfg.block_n, cfg.block_k
-    wc_ref, ws_ref = w_refs
     words = cfg.decode == "words"
-    dtype = operand_dtype(a_refs)
+    dtype = x_ref.dtype
 
     def load_w(kt):
         if words:
@@ -131,40 +95,26 @@ def make_loaders(*, a_refs, w_refs, act_sl, act_ok, col_sl, col_ok, cfg, interpr
         ws = plgpu.load(ws_ref.at[(*w_index, col_sl, pl.ds(kt * (bk // 16), bk // 16))], mask=col_ok, other=0)
         return decode_tile(wc, ws, bn, bk, dtype)
 
-    def load_values(kt):
-        [x_ref] = a_refs
-        if words:  # laid out in word-part order by activation_operands: contiguous slices
+    def load_a(kt):
+        if words:  # laid out in word-part order by activation_operand: contiguous slices
             return tuple(plgpu.load(x_ref.at[act_sl, pl.ds(kt * bk + p * (bk // 8), bk // 8)], mask=act_ok, other=0.0)
-                         .astype(dtype) for p in range(8))
-        even, odd = load_even_odd(x_ref, act_sl, kt * bk, bk, act_ok, interpret, other=0.0)
-        return even.astype(dtype), odd.astype(dtype)
+                         for p in range(8))
+        return load_even_odd(x_ref, act_sl, kt * bk, bk, act_ok, interpret, other=0.0)
 
-    return load_values, load_w
-
-
-def pop_operand_refs(refs, na, has_gx):
-    """Split a kernel's refs: activation operands (na), global scales (has_gx), rest."""
-    refs = list(refs)
-    a_refs = [refs.pop(0) for _ in range(na)]
-    gx_ref = refs.pop(0) if has_gx else None
-    return a_refs, gx_ref, refs
+    return load_a, load_w
 
 
-def activation_operands(x, xq, rq, cfg, rac_sum="fp16"):
-    """The GEMM's activation inputs (a, gx, r): each a tuple of one operand of values. ``xq``
-    None is w4a16 (BF16 x, no global scale). Quantized operands enter as their block values
-    (exact in BF16), decoded once here, not once per program. A residual with
-    ``rac_sum="fp16"`` enters summed into one FP16 operand (``rac.compensated_values``) and r
-    is None. With ``cfg.decode == "words"`` the values come in the word parts' channel order
-    (``tile_math.to_word_parts_order``)."""
+def activation_operand(x, xq, rq, cfg):
+    """The fused kernel's token operand and global scales (a, gx): BF16 ``x`` and no scale for
+    w4a16 (``xq`` None); else the quantized activations' block values (exact in BF16; with a
+    residual, RAC's FP16 compensated values ``rac.compensated_values``), decoded once here,
+    not once per program. With ``cfg.decode == "words"`` the values come in the word parts'
+    channel order (``tile_math.to_word_parts_order``)."""
     order = (lambda v: to_word_parts_order(v, cfg.block_k)) if cfg.decode == "words" else (lambda v: v)
     if xq is None:
-        return (order(x.astype(jnp.bfloat16)),), None, None
-    if rq is not None and rac_sum == "fp16":
-        return (order(rac.compensated_values(xq, rq)),), xq.global_scale, None
-    a = (order(nvfp4.block_values(xq, jnp.bfloat16)),)
-    r = None if rq is None else (order(nvfp4.block_values(rq, jnp.bfloat16)),)
-    return a, xq.global_scale, r
+        return order(x.astype(jnp.bfloat16)), None
+    v = nvfp4.block_values(xq, jnp.bfloat16) if rq is None else rac.compensated_values(xq, rq)
+    return order(v), xq.global_scale
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -183,43 +133,34 @@ def for_each_weight(jn, ns, bn, fn):
         off += tiles
 
 
-def split_weight_refs(rest, nw):
-    """(codes, scales, global scale) refs of each of ``nw`` weights, then their outputs."""
-    return [rest[3 * i:3 * i + 3] for i in range(nw)], rest[3 * nw:]
-
-
-def _gemm_kernel(*refs, t, ns, k, cfg, na, has_gx, stacked, interpret):
-    a_refs, gx_ref, rest = pop_operand_refs(refs, na, has_gx)
-    w_refs, out_refs = split_weight_refs(rest, len(ns))
+def _gemm_kernel(x_ref, gx_ref, w_refs, *out_refs, t, ns, k, cfg, interpret):
+    """``w_refs``: (codes, scale bits, global scale) of each weight; one output a weight.
+    ``gx_ref`` is None for w4a16."""
     im, sk = pl.program_id(0), pl.program_id(2)
 
     def tile(i, jn):
-        output_tile(a_refs=a_refs, gx_ref=gx_ref, w_refs=w_refs[i], out_ref=out_refs[i], n=ns[i], jn=jn,
-                    row_start=im * cfg.block_m, row_end=t, stacked=stacked, sk=sk, k=k, cfg=cfg, interpret=interpret)
+        output_tile(x_ref=x_ref, gx_ref=gx_ref, w_refs=w_refs[i], out_ref=out_refs[i], n=ns[i], jn=jn,
+                    row_start=im * cfg.block_m, row_end=t, sk=sk, k=k, cfg=cfg, interpret=interpret)
 
     for_each_weight(pl.program_id(1), ns, cfg.block_n, tile)
 
 
-def output_tile(*, a_refs, gx_ref, w_refs, out_ref, n, jn, row_start, row_end, stacked, sk, k, cfg, interpret, expert=None):
+def output_tile(*, x_ref, gx_ref, w_refs, out_ref, n, jn, row_start, row_end, sk, k, cfg, interpret, expert=None):
     """One program's output tile: token rows [row_start, row_start + block_m) (those below
     ``row_end`` real) x N tile ``jn`` of one weight (``w_refs``: codes, scales, global
     scales; ``expert`` indexes stacked expert weights), over this program's share of K
-    (split ``sk``), stored to ``out_ref`` (FP32 partials when split). ``stacked``: the
-    activation operands interleave each token's residual row (``stack_residual``)."""
+    (split ``sk``), stored to ``out_ref`` (FP32 partials when split)."""
     wc_ref, ws_ref, gw_ref = w_refs
     bm, bn = cfg.block_m, cfg.block_n
-    f = 2 if stacked else 1  # operand rows per token
-    act_sl = pl.ds(row_start * f, bm * f)
-    act_ok = (row_start * f + jnp.arange(bm * f) < row_end * f)[:, None]
     row_sl = pl.ds(row_start, bm)
     row_ok = (row_start + jnp.arange(bm) < row_end)[:, None]
     col_sl = pl.ds(jn * bn, bn)
     col_ok = (jn * bn + jnp.arange(bn) < n)[:, None]
-    load_a, load_w = make_loaders(a_refs=a_refs, w_refs=(wc_ref, ws_ref), act_sl=act_sl, act_ok=act_ok, col_sl=col_sl,
+    load_a, load_w = make_loaders(x_ref=x_ref, wc_ref=wc_ref, ws_ref=ws_ref, act_sl=row_sl, act_ok=row_ok, col_sl=col_sl,
                                   col_ok=col_ok, cfg=cfg, interpret=interpret, w_index=() if expert is None else (expert,))
     steps = k // (cfg.block_k * cfg.split_k)
-    acc = gemm_tile_loop(kt_start=sk * steps, steps=steps, cfg=cfg, rows=bm * f, load_a=load_a, load_w=load_w)
-    out = epilogue(finish_tile(acc, cfg, stacked), gx_ref, row_sl, row_ok, gw_ref[0 if expert is None else expert])
+    acc = gemm_tile_loop(kt_start=sk * steps, steps=steps, cfg=cfg, load_a=load_a, load_w=load_w)
+    out = epilogue(acc, gx_ref, row_sl, row_ok, gw_ref[0 if expert is None else expert])
     out_mask = row_ok & (jn * bn + jnp.arange(bn) < n)[None, :]
     if cfg.split_k == 1:
         plgpu.store(out_ref.at[row_sl, col_sl], out.astype(out_ref.dtype), mask=out_mask)
@@ -228,52 +169,55 @@ def output_tile(*, a_refs, gx_ref, w_refs, out_ref, n, jn, row_start, row_end, s
 
 
 def epilogue(acc, gx_ref, row_sl, row_ok, gw):
-    """gw * gx * acc (w4a16: gw * acc); the residual's share of acc is scaled already."""
+    """gw * gx * acc (w4a16: gw * acc); RAC's residual share is in acc already."""
     if gx_ref is None:  # w4a16
         return acc * gw
     gx = plgpu.load(gx_ref.at[row_sl, :], mask=row_ok, other=0.0)  # [bm, 1]
     return acc * gx * gw
 
 
+def code_form(wc, cfg):
+    """Weight codes in the form ``cfg.decode`` reads: uint32 words of 8 codes ("words") or
+    bytes ("bits"). Prepared weights come in the default's form; the other is converted here
+    (an XLA op that copies the codes)."""
+    return tuple(map(nvfp4.code_words if cfg.decode == "words" else nvfp4.code_bytes, wc))
+
+
+def out_shapes(rows, ns, cfg, out_dtype):
+    """One output a weight: [rows, N_i], or FP32 partials [split_k, rows, N_i] when split."""
+    if cfg.split_k == 1:
+        return tuple(jax.ShapeDtypeStruct((rows, n), out_dtype) for n in ns)
+    return tuple(jax.ShapeDtypeStruct((cfg.split_k, rows, n), jnp.float32) for n in ns)
+
+
+def reduce_split(o, cfg, out_dtype):
+    return o if cfg.split_k == 1 else o.sum(0).astype(out_dtype)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "out_dtype", "interpret"))
-def _gemm_call(a, gx, r, wc, ws, gw, *, cfg, out_dtype, interpret):
+def _gemm_call(a, gx, wc, ws, gw, *, cfg, out_dtype, interpret):
     """One launch for the weights (codes ``wc``, scale bits ``ws``, global scales ``gw``:
-    tuples, one entry a weight) that share the activations: a tuple of [T, N_i] outputs."""
-    t_real = a[0].shape[0]
+    tuples, one entry a weight) that share the token operand ``a`` [T, K] (and its global
+    scales ``gx`` [T, 1], None for w4a16): a tuple of [T, N_i] outputs."""
+    t_real = a.shape[0]
     k = ws[0].shape[-1] * 16
     ns = tuple(c.shape[0] for c in wc)
-    # decode="words" reads uint32 code words, the others bytes: a weight in the other form is
-    # converted here (an XLA op that copies it); prepared weights come in the default's form
-    wc = tuple(map(nvfp4.code_words if cfg.decode == "words" else nvfp4.code_bytes, wc))
-    stacked = r is not None
+    wc = code_form(wc, cfg)
     if interpret:  # interpret mode clamps out-of-range slices instead of masking them
         t_pad = pl.cdiv(t_real, cfg.block_m) * cfg.block_m
-        a, r = [pad_axis(v, 0, t_pad) for v in a], r and [pad_axis(v, 0, t_pad) for v in r]
-        gx = None if gx is None else pad_axis(gx, 0, t_pad)
+        a, gx = pad_axis(a, 0, t_pad), None if gx is None else pad_axis(gx, 0, t_pad)
         pad_n = lambda v: pad_axis(v, 0, pl.cdiv(v.shape[0], cfg.block_n) * cfg.block_n)
         wc, ws = tuple(map(pad_n, wc)), tuple(map(pad_n, ws))
-    t = a[0].shape[0]
-    if stacked:
-        a = stack_residual(a, r)
-    args = list(a) + ([] if gx is None else [gx])
-    for triple in zip(wc, ws, gw):
-        args += list(triple)
-    if cfg.split_k == 1:
-        out_shape = [jax.ShapeDtypeStruct((t, n), out_dtype) for n in ns]
-    else:
-        out_shape = [jax.ShapeDtypeStruct((cfg.split_k, t, n), jnp.float32) for n in ns]
-    kernel = functools.partial(_gemm_kernel, t=t, ns=ns, k=k, cfg=cfg, na=len(a), has_gx=gx is not None,
-                               stacked=stacked, interpret=interpret)
+    t = a.shape[0]
     outs = pl.pallas_call(
-        kernel,
-        out_shape=out_shape,
+        functools.partial(_gemm_kernel, t=t, ns=ns, k=k, cfg=cfg, interpret=interpret),
+        out_shape=out_shapes(t, ns, cfg, out_dtype),
         grid=(pl.cdiv(t, cfg.block_m), sum(pl.cdiv(n, cfg.block_n) for n in ns), cfg.split_k),
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
         name="nvfp4_matmul",
-    )(*args)
-    outs = [o if cfg.split_k == 1 else o.sum(0).astype(out_dtype) for o in outs]
-    return tuple(o[:t_real, :n] for o, n in zip(outs, ns))
+    )(a, gx, tuple(zip(wc, ws, gw)))
+    return tuple(reduce_split(o, cfg, out_dtype)[:t_real, :n] for o, n in zip(outs, ns))
 
 
 # ----------------------------------------------------------------------------- public API
@@ -313,10 +257,11 @@ def quantized_operands(x, *, mode, rac_ratio, rac_mode, act_scale, backend, quan
                                     config=quant_config)
 
 
-def stacks_residual(mode, rac_ratio, rac_sum) -> bool:
-    """Whether the fused GEMM's token operand holds a residual row per token (RAC with
-    ``rac_sum="exact"``): the tiles are chosen for twice the rows."""
-    return mode == "w4a4" and rac_ratio > 0 and rac_sum == "exact"
+def fuses_residual(mode, rac_ratio, rac_sum) -> bool:
+    """Whether the fused kernels can run this product: everything but RAC's ``rac_sum="exact"``
+    (the SGLang plugin's FP32 sum of two products, for parity checks), which the Pallas
+    backend runs as the dequantized dot (``dequant_dot``)."""
+    return not (mode == "w4a4" and rac_ratio > 0 and rac_sum == "exact")
 
 
 def as_weights(w):
@@ -395,35 +340,31 @@ def nvfp4_matmul(x, w, *, rac_ratio=0.0, rac_mode="token", rac_sum="fp16", act_s
     t, k = x.shape
     if k % 32:
         raise ValueError(f"x: the Pallas GEMM needs K % 32 == 0 (got K={k}); use backend='xla'")
-    cfg = config or gemm_config(t, sum(wi.shape[0] for wi in ws), k, stacked=stacks_residual(mode, rac_ratio, rac_sum))
-    interpret = interpret_mode()
-    gw = tuple(jnp.reshape(jnp.asarray(wi.global_scale, jnp.float32), (1,)) for wi in ws)
-    gemm = lambda a, gx, r: _gemm_call(a, gx, r, tuple(wi.codes for wi in ws), tuple(_bits(wi.scales) for wi in ws), gw, cfg=cfg,
-                                       out_dtype=out_dtype, interpret=interpret)
-    order = operand_order(x, cfg, mode=mode, rac_ratio=rac_ratio, rac_mode=rac_mode, rac_sum=rac_sum, act_scale=act_scale)
-    if order is not None:  # the quantizer writes the FP16 token operand itself
-        a16, gx = quantize_operand(x, rac_ratio=rac_ratio, order=order, rows=t, backend="pallas", config=quant_config)
-        outs = gemm((a16,), gx, None)
-        return outs if many else outs[0]
-    xq, rq = quantized_operands(x, mode=mode, rac_ratio=rac_ratio, rac_mode=rac_mode, act_scale=act_scale, backend="pallas",
-                                quant_config=quant_config)
-    if cfg.path == "dequant":
-        outs = tuple(dequant_dot(xq, rq, wi, x=x, out_dtype=out_dtype, rac_sum=rac_sum) for wi in ws)
+    cfg = config or gemm_config(t, sum(wi.shape[0] for wi in ws), k)
+    if cfg.path == "fused" and fuses_residual(mode, rac_ratio, rac_sum):
+        order = operand_order(x, cfg, mode=mode, rac_mode=rac_mode, act_scale=act_scale)
+        if order is not None:  # the quantizer writes the FP16 token operand itself
+            a, gx = quantize_operand(x, rac_ratio=rac_ratio, order=order, rows=t, backend="pallas", config=quant_config)
+        else:
+            xq, rq = quantized_operands(x, mode=mode, rac_ratio=rac_ratio, rac_mode=rac_mode, act_scale=act_scale,
+                                        backend="pallas", quant_config=quant_config)
+            a, gx = activation_operand(x, xq, rq, cfg)
+        gw = tuple(jnp.reshape(jnp.asarray(wi.global_scale, jnp.float32), (1,)) for wi in ws)
+        outs = _gemm_call(a, gx, tuple(wi.codes for wi in ws), tuple(_bits(wi.scales) for wi in ws), gw, cfg=cfg,
+                          out_dtype=out_dtype, interpret=interpret_mode())
     else:
-        outs = gemm(*activation_operands(x, xq, rq, cfg, rac_sum))
+        xq, rq = quantized_operands(x, mode=mode, rac_ratio=rac_ratio, rac_mode=rac_mode, act_scale=act_scale, backend="pallas",
+                                    quant_config=quant_config)
+        outs = tuple(dequant_dot(xq, rq, wi, x=x, out_dtype=out_dtype, rac_sum=rac_sum) for wi in ws)
     return outs if many else outs[0]
 
 
-def operand_order(x, cfg, *, mode, rac_ratio, rac_mode, rac_sum, act_scale):
+def operand_order(x, cfg, *, mode, rac_mode, act_scale):
     """The channel order (``tile_math.operand_columns``) in which the activation quantizer
-    should write the FP16 token operand for this GEMM, or None where the GEMM takes codes or
-    already quantized rows. It does so for BF16 activations with per-token scales and RAC's
-    per-token selection summed in FP16 (or no RAC): the fused path's operand values (word-part
-    order with the word decode). That saves the XLA kernel that decoded the codes into that
-    operand (``activation_operands``)."""
-    if (isinstance(x, QuantizedRows) or mode != "w4a4" or act_scale != "token" or rac_mode != "token"
-            or (rac_ratio > 0 and rac_sum != "fp16")):
+    writes the fused kernel's FP16 token operand, or None where the GEMM quantizes otherwise.
+    It does so for BF16 activations with per-token scales and RAC's per-token selection (or
+    no RAC), the rollout's case: the operand in word-part order with the word decode. That
+    saves the XLA kernel that decoded the codes into that operand (``activation_operand``)."""
+    if isinstance(x, QuantizedRows) or mode != "w4a4" or act_scale != "token" or rac_mode != "token":
         return None
-    if cfg.path == "fused":
-        return ("words", cfg.block_k) if cfg.decode == "words" else ("plain", 16)
-    return None
+    return ("words", cfg.block_k) if cfg.decode == "words" else ("plain", 16)

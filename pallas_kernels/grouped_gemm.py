@@ -28,17 +28,17 @@ from pallas_kernels.gemm import (
     GemmConfig,
     _bits,
     _check_args,
-    activation_operands,
+    activation_operand,
     activation_product,
     as_weights,
-    gemm_config,
-    pop_operand_refs,
-    quantized_operands,
+    code_form,
     for_each_weight,
-    stacks_residual,
+    fuses_residual,
+    gemm_config,
+    out_shapes,
     output_tile,
-    split_weight_refs,
-    stack_residual,
+    quantized_operands,
+    reduce_split,
 )
 
 
@@ -72,17 +72,16 @@ def work_items(group_sizes, m: int, block_m: int):
     return jnp.stack([ex, start, end], axis=1).astype(jnp.int32), cap
 
 
-def _grouped_kernel(items_ref, *refs, ns, k, cfg, na, has_gx, stacked, interpret):
-    a_refs, gx_ref, rest = pop_operand_refs(refs, na, has_gx)
-    w_refs, out_refs = split_weight_refs(rest, len(ns))
+def _grouped_kernel(items_ref, x_ref, gx_ref, w_refs, *out_refs, ns, k, cfg, interpret):
+    """``items_ref``: (expert, row_start, row_end) per work item; the rest as ``_gemm_kernel``."""
     it, jn_all, sk = pl.program_id(0), pl.program_id(1), pl.program_id(2)  # read outside conditionals (interpret mode)
     ex = items_ref[it, 0]
     start = items_ref[it, 1]
     end = items_ref[it, 2]
 
     def tile(i, jn):
-        output_tile(a_refs=a_refs, gx_ref=gx_ref, w_refs=w_refs[i], out_ref=out_refs[i], n=ns[i], jn=jn, row_start=start,
-                    row_end=end, stacked=stacked, sk=sk, k=k, cfg=cfg, interpret=interpret, expert=ex)
+        output_tile(x_ref=x_ref, gx_ref=gx_ref, w_refs=w_refs[i], out_ref=out_refs[i], n=ns[i], jn=jn, row_start=start,
+                    row_end=end, sk=sk, k=k, cfg=cfg, interpret=interpret, expert=ex)
 
     @pl.when(end > start)
     def _():
@@ -90,45 +89,30 @@ def _grouped_kernel(items_ref, *refs, ns, k, cfg, na, has_gx, stacked, interpret
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "out_dtype", "interpret"))
-def _grouped_call(a, gx, r, wc, ws, gw, group_sizes, *, cfg, out_dtype, interpret):
+def _grouped_call(a, gx, wc, ws, gw, group_sizes, *, cfg, out_dtype, interpret):
     """One launch for the expert weights (tuples ``wc``, ``ws``, ``gw``, one entry a weight
-    [E, N_i, K]) that share the rows: a tuple of [M, N_i] outputs."""
-    m_real = a[0].shape[0]
+    [E, N_i, K]) that share the rows of the token operand ``a``: a tuple of [M, N_i] outputs."""
+    m_real = a.shape[0]
     k = ws[0].shape[-1] * 16
     ns = tuple(c.shape[1] for c in wc)
-    # decode="words" reads uint32 code words, the others bytes: a weight in the other form is
-    # converted here (an XLA op that copies it); prepared weights come in the default's form
-    wc = tuple(map(nvfp4.code_words if cfg.decode == "words" else nvfp4.code_bytes, wc))
+    wc = code_form(wc, cfg)
     items, cap = work_items(group_sizes, m_real, cfg.block_m)
-    stacked = r is not None
     if interpret:  # interpret mode clamps out-of-range slices instead of masking them
         m_pad = m_real + cfg.block_m
-        a, r = [pad_axis(v, 0, m_pad) for v in a], r and [pad_axis(v, 0, m_pad) for v in r]
-        gx = None if gx is None else pad_axis(gx, 0, m_pad)
+        a, gx = pad_axis(a, 0, m_pad), None if gx is None else pad_axis(gx, 0, m_pad)
         pad_n = lambda v: pad_axis(v, 1, pl.cdiv(v.shape[1], cfg.block_n) * cfg.block_n)
         wc, ws = tuple(map(pad_n, wc)), tuple(map(pad_n, ws))
-    m = a[0].shape[0]
-    if stacked:
-        a = stack_residual(a, r)
-    args = [items] + list(a) + ([] if gx is None else [gx])
-    for triple in zip(wc, ws, gw):
-        args += list(triple)
-    out_shape = [jax.ShapeDtypeStruct((m, n) if cfg.split_k == 1 else (cfg.split_k, m, n), out_dtype if cfg.split_k == 1 else jnp.float32)
-                 for n in ns]
-    kernel = functools.partial(_grouped_kernel, ns=ns, k=k, cfg=cfg, na=len(a), has_gx=gx is not None,
-                               stacked=stacked, interpret=interpret)
     outs = pl.pallas_call(
-        kernel,
-        out_shape=out_shape,
+        functools.partial(_grouped_kernel, ns=ns, k=k, cfg=cfg, interpret=interpret),
+        out_shape=out_shapes(a.shape[0], ns, cfg, out_dtype),
         grid=(cap, sum(pl.cdiv(n, cfg.block_n) for n in ns), cfg.split_k),
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
         name="nvfp4_grouped_matmul",
-    )(*args)
+    )(items, a, gx, tuple(zip(wc, ws, gw)))
     # rows past sum(group_sizes) are never written: define them as zero
     valid = (jnp.arange(m_real) < jnp.sum(group_sizes))[:, None]
-    fix = lambda o, n: jnp.where(valid, (o if cfg.split_k == 1 else o.sum(0).astype(out_dtype))[:m_real, :n], jnp.zeros((), out_dtype))
-    return tuple(fix(o, n) for o, n in zip(outs, ns))
+    return tuple(jnp.where(valid, reduce_split(o, cfg, out_dtype)[:m_real, :n], jnp.zeros((), out_dtype)) for o, n in zip(outs, ns))
 
 
 def _per_expert_gw(w):
@@ -136,17 +120,10 @@ def _per_expert_gw(w):
     return jnp.broadcast_to(jnp.asarray(w.global_scale, jnp.float32).reshape(-1), (e,))
 
 
-def nvfp4_grouped_matmul_xla(x, w, group_sizes, *, rac_ratio=0.0, rac_mode="token", rac_sum="fp16", act_scale="tensor", mode="w4a4", out_dtype=jnp.bfloat16):
-    """The XLA reference: ``lax.ragged_dot`` over the same block values (BF16, or FP16 for
-    ``rac_sum="fp16"``'s compensated activation)."""
-    ws, many = as_weights(w)
-    for wi in ws:
-        _check_args(x, wi, mode, rac_ratio, rac_mode, ndim=3, rac_sum=rac_sum)
-    m = x.shape[0]
-    group_sizes = check_group_sizes(group_sizes, m, ws[0].shape[0])
-    ex = expert_of_rows(group_sizes, m)
-    if mode != "w4a16":
-        xq, rq = quantized_operands(x, mode=mode, rac_ratio=rac_ratio, rac_mode=rac_mode, act_scale=act_scale, backend="xla")
+def ragged_product(x, xq, rq, ws, group_sizes, *, mode, rac_sum, out_dtype):
+    """``lax.ragged_dot`` over the operands' block values (BF16, or FP16 for ``rac_sum="fp16"``'s
+    compensated activation), for each weight of ``ws``: the reference's product."""
+    ex = expert_of_rows(group_sizes, x.shape[0])
 
     def one(wi):
         wv = jnp.swapaxes(nvfp4.block_values(wi, jnp.bfloat16), 1, 2)  # [E, K, N]
@@ -156,36 +133,50 @@ def nvfp4_grouped_matmul_xla(x, w, group_sizes, *, rac_ratio=0.0, rac_mode="toke
             return (dot(x.astype(jnp.bfloat16)) * gw).astype(out_dtype)
         return (activation_product(dot, xq, rq, wv, rac_sum) * gw).astype(out_dtype)
 
-    outs = tuple(one(wi) for wi in ws)
+    return tuple(one(wi) for wi in ws)
+
+
+def _checked(x, w, group_sizes, mode, rac_ratio, rac_mode, rac_sum):
+    ws, many = as_weights(w)
+    for wi in ws:
+        _check_args(x, wi, mode, rac_ratio, rac_mode, ndim=3, rac_sum=rac_sum)
+    e = ws[0].shape[0]
+    if any(wi.shape[0] != e for wi in ws):
+        raise ValueError(f"w: the weights of one grouped launch need the same expert count, got {[wi.shape for wi in ws]}")
+    return ws, many, check_group_sizes(group_sizes, x.shape[0], e)
+
+
+def nvfp4_grouped_matmul_xla(x, w, group_sizes, *, rac_ratio=0.0, rac_mode="token", rac_sum="fp16", act_scale="tensor", mode="w4a4", out_dtype=jnp.bfloat16):
+    """The XLA reference: the XLA quantizer and ``ragged_product``."""
+    ws, many, group_sizes = _checked(x, w, group_sizes, mode, rac_ratio, rac_mode, rac_sum)
+    xq, rq = quantized_operands(x, mode=mode, rac_ratio=rac_ratio, rac_mode=rac_mode, act_scale=act_scale, backend="xla")
+    outs = ragged_product(x, xq, rq, ws, group_sizes, mode=mode, rac_sum=rac_sum, out_dtype=out_dtype)
     return outs if many else outs[0]
 
 
 def nvfp4_grouped_matmul(x, w, group_sizes, *, rac_ratio=0.0, rac_mode="token", rac_sum="fp16", act_scale="tensor", mode="w4a4", backend=None, out_dtype=jnp.bfloat16, config: GemmConfig | None = None):
     """Per-expert x_e @ W_e.T for rows sorted by expert; see the module docstring. ``w`` may be
     a sequence of expert weights with the same E and K (gate and up): one launch, a tuple of
-    outputs. ``rac_sum`` as in ``nvfp4_matmul``."""
+    outputs. ``rac_sum`` as in ``nvfp4_matmul``: "exact" runs ``ragged_product`` after the
+    Pallas quantizer (a parity check's path, not the rollout's)."""
     if resolve_backend(backend) == "xla":
         return nvfp4_grouped_matmul_xla(x, w, group_sizes, rac_ratio=rac_ratio, rac_mode=rac_mode, rac_sum=rac_sum,
                                         act_scale=act_scale, mode=mode, out_dtype=out_dtype)
-    ws, many = as_weights(w)
-    for wi in ws:
-        _check_args(x, wi, mode, rac_ratio, rac_mode, ndim=3, rac_sum=rac_sum)
+    ws, many, group_sizes = _checked(x, w, group_sizes, mode, rac_ratio, rac_mode, rac_sum)
     m, k = x.shape
-    e = ws[0].shape[0]
-    if any(wi.shape[0] != e for wi in ws):
-        raise ValueError(f"w: the weights of one grouped launch need the same expert count, got {[wi.shape for wi in ws]}")
-    group_sizes = check_group_sizes(group_sizes, m, e)
     if k % 32:
         raise ValueError(f"x: the Pallas GEMM needs K % 32 == 0 (got K={k}); use backend='xla'")
     # tiles sized for the rows an expert gets on average (decode: a few), not for all rows
-    cfg = config or gemm_config(-(-m // e), sum(wi.shape[1] for wi in ws), k, programs_per_row_tile=e,
-                                stacked=stacks_residual(mode, rac_ratio, rac_sum))
+    cfg = config or gemm_config(-(-m // ws[0].shape[0]), sum(wi.shape[1] for wi in ws), k, programs_per_row_tile=ws[0].shape[0])
     if cfg.path != "fused":
         raise ValueError(f"config: GemmConfig.path={cfg.path!r} is for the dense GEMM; the grouped GEMM is fused only "
                          "(backend='xla' runs lax.ragged_dot on the decoded values)")
     xq, rq = quantized_operands(x, mode=mode, rac_ratio=rac_ratio, rac_mode=rac_mode, act_scale=act_scale, backend="pallas")
-    a, gx, r = activation_operands(x, xq, rq, cfg, rac_sum)
-    outs = _grouped_call(a, gx, r, tuple(wi.codes for wi in ws), tuple(_bits(wi.scales) for wi in ws),
-                         tuple(_per_expert_gw(wi) for wi in ws), group_sizes, cfg=cfg, out_dtype=out_dtype,
-                         interpret=interpret_mode())
+    if not fuses_residual(mode, rac_ratio, rac_sum):
+        outs = ragged_product(x, xq, rq, ws, group_sizes, mode=mode, rac_sum=rac_sum, out_dtype=out_dtype)
+    else:
+        a, gx = activation_operand(x, xq, rq, cfg)
+        outs = _grouped_call(a, gx, tuple(wi.codes for wi in ws), tuple(_bits(wi.scales) for wi in ws),
+                             tuple(_per_expert_gw(wi) for wi in ws), group_sizes, cfg=cfg, out_dtype=out_dtype,
+                             interpret=interpret_mode())
     return outs if many else outs[0]

@@ -59,17 +59,14 @@ PATHS = ("fused", "dequant")
 PREFILL_DEQUANT_MIN_T = 512  # token count from which the dense GEMM takes path="dequant"
 
 
-def gemm_config(t: int, n: int, k: int, programs_per_row_tile: int = 1, stacked: bool = False,
-                num_sms: int | None = None) -> GemmConfig:
+def gemm_config(t: int, n: int, k: int, programs_per_row_tile: int = 1, num_sms: int | None = None) -> GemmConfig:
     """Heuristic tiles. Below PREFILL_DEQUANT_MIN_T tokens (decode, and the RL rollout's batches
     of 64 to 512) the kernel streams the weight: the weight is the MMA's M operand (swap_ab),
     decoded from code words in 128-wide N tiles (64 for the grouped GEMM: more programs over
     small experts), K tiles of 128 (256 for large weights that still fill 1.5 waves), and
     split-K until about 1.5 waves of programs. From PREFILL_DEQUANT_MIN_T tokens the dense
     GEMM decodes both operands once and runs the BF16 dot (square MMA tiles for the grouped
-    kernel). ``stacked``: the token operand holds each token's activation and residual rows
-    (RAC with ``rac_sum="exact"``): 128-channel K tiles (256 overflows shared memory), two
-    stages. The tile sweeps behind these choices: benchmarks/results/2026-12-04-h200-run13
+    kernel). The tile sweeps behind these choices: benchmarks/results/2026-12-04-h200-run13
     and 2026-12-05-h100-rollout-scale."""
     if t >= PREFILL_DEQUANT_MIN_T:
         bk = 64 if k % 64 == 0 else 32
@@ -84,9 +81,9 @@ def gemm_config(t: int, n: int, k: int, programs_per_row_tile: int = 1, stacked:
     tiles = -(-t // bm) * -(-n // bn) * programs_per_row_tile
     stages = 4
     if not grouped:
-        if k % 256 == 0 and not stacked and decode == "words" and tiles * (k // 512) >= 1.5 * sms:
+        if k % 256 == 0 and decode == "words" and tiles * (k // 512) >= 1.5 * sms:
             bk = 256
-        stages = 2 if stacked and t > 16 else 3
+        stages = 3
     split = 1
     # each program keeps >= 2 K tiles
     while tiles * split < 1.5 * sms and (k // bk) % (split * 2) == 0 and k // (bk * split * 2) >= 2:

@@ -308,17 +308,16 @@ def test_word_decode_steps_and_layout_equal_the_format():
 
 def test_decode_tiles_follow_the_measured_choices():
     """The decode-size heuristic (pallas_kernels.tiling.gemm_config, run-12 measurements): the
-    word decode at 128-wide tiles, stacked RAC rows or not; the grouped GEMM at 64-wide tiles,
+    word decode at 128-wide tiles; the grouped GEMM at 64-wide tiles,
     activation values with words; K tiles the word decode cannot split fall back to bits."""
     from pallas_kernels import tiling
 
-    for t, stacked in ((16, False), (64, False), (64, True)):
-        c = tiling.gemm_config(t, 14336, 4096, stacked=stacked)
+    for t in (16, 64):
+        c = tiling.gemm_config(t, 14336, 4096)
         assert (c.decode, c.block_n, c.swap_ab) == ("words", 128, True)
         assert c.split_k * c.block_k <= 4096 and 4096 % (c.split_k * c.block_k) == 0
-        # large weights: 256-channel K tiles, split to 1.5 waves (112 N tiles x 2), 3 stages;
-        # stacked rows keep 128-channel tiles (shared memory), 2 stages above 16 tokens
-        assert (c.block_k, c.split_k, c.num_stages) == ((128, 2, 2) if stacked else (256, 2, 3))
+        # large weights: 256-channel K tiles, split to 1.5 waves (112 N tiles x 2), 3 stages
+        assert (c.block_k, c.split_k, c.num_stages) == (256, 2, 3)
     # the rollout's mid batches (T=256) keep the decode tiles: 64-token tiles, the word decode,
     # split-K to fill the chip (the bench model's q/k/v: 4 row tiles x 12 N tiles)
     mid = tiling.gemm_config(256, 1536, 1024, num_sms=132)
@@ -330,10 +329,6 @@ def test_decode_tiles_follow_the_measured_choices():
     assert tiling.gemm_config(16, 768, 96).decode == "bits"  # K tile 32
     # the split follows the device's multiprocessors (here given): fewer SMs, less split
     assert tiling.gemm_config(16, 768, 2048, num_sms=16).split_k < small.split_k
-    # the stacked rows follow rac_sum: only "exact" stacks
-    from pallas_kernels.gemm import stacks_residual
-    assert stacks_residual("w4a4", 0.5, "exact") and not stacks_residual("w4a4", 0.5, "fp16")
-    assert not stacks_residual("w4a4", 0.0, "exact") and not stacks_residual("w4a16", 0.0, "exact")
     x = jnp.ones((4, 64), jnp.bfloat16)
     with pytest.raises(ValueError, match="rac_sum"):
         pk.nvfp4_matmul(x, nvfp4.quantize(jnp.ones((32, 64))), rac_ratio=0.5, rac_sum="bf16", backend="xla")
@@ -558,13 +553,15 @@ def test_gemm_operand_from_the_quantizer_equals_the_codes_path(rng, t, rho):
     ref = pk.nvfp4_matmul(x, w, rac_ratio=rho, act_scale="token", backend="xla", out_dtype=jnp.float32)
     rows = pk.quantize_rows(x, rac_ratio=rho, backend="pallas")
     for cfg in (base, dataclasses.replace(base, decode="bits", block_k=64)):
-        assert NM.operand_order(x, cfg, mode="w4a4", rac_ratio=rho, rac_mode="token", rac_sum="fp16", act_scale="token") is not None
+        assert NM.operand_order(x, cfg, mode="w4a4", rac_mode="token", act_scale="token") is not None
         call = lambda a: pk.nvfp4_matmul(a, w, rac_ratio=rho, act_scale="token", backend="pallas", config=cfg, out_dtype=jnp.float32)
         got, codes_path = call(x), call(rows)
         for g, c, r in zip(got, codes_path, ref):
             np.testing.assert_array_equal(np.asarray(g), np.asarray(c), err_msg=f"{cfg}")
             assert rel(g, r) < 1e-5
     # where the GEMM needs codes or rows quantized beforehand, the quantizer writes codes
-    assert NM.operand_order(rows, base, mode="w4a4", rac_ratio=rho, rac_mode="token", rac_sum="fp16", act_scale="token") is None
-    assert NM.operand_order(x, base, mode="w4a4", rac_ratio=0.5, rac_mode="token", rac_sum="exact", act_scale="token") is None
-    assert NM.operand_order(x, base, mode="w4a4", rac_ratio=rho, rac_mode="token", rac_sum="fp16", act_scale="tensor") is None
+    assert NM.operand_order(rows, base, mode="w4a4", rac_mode="token", act_scale="token") is None
+    assert NM.operand_order(x, base, mode="w4a4", rac_mode="token", act_scale="tensor") is None
+    # RAC summed exactly (the SGLang plugin's numerics) leaves the fused kernel for the dequantized dot
+    assert not NM.fuses_residual("w4a4", 0.5, "exact") and NM.fuses_residual("w4a4", 0.0, "exact")
+    assert NM.fuses_residual("w4a4", 0.5, "fp16") and NM.fuses_residual("w4a16", 0.0, "exact")
