@@ -76,9 +76,10 @@ def _nbytes(*trees) -> float:
 
 
 def quant_cases(tiny: bool):
-    """Two ops per shape: the codes (``quantize_activations_rac``: the expert GEMMs' rows) and
-    the dense GEMMs' FP16 token operand written by the quantizer (``quantize_operand``, in the
-    word decode's channel order: what the rollout's dense linears run)."""
+    """The rollout's activation quantizer (``quantize_operand``: BF16 x -> the GEMMs' FP16 token
+    operand in the word decode's channel order, per-token scales, RAC) at the rollout's shapes:
+    the heuristic's config and one program a row, with each RAC selection, against the XLA
+    reference's bits."""
     import jax.numpy as jnp
 
     import pallas_kernels as pk
@@ -88,25 +89,18 @@ def quant_cases(tiny: bool):
         # heavy-tailed channels, as activations are: per-channel magnitudes spread over e^(+-2)
         x = jnp.asarray(rng.standard_normal((t, k)) * np.exp(rng.standard_normal(k)), jnp.bfloat16)
         cfgs = {"default": pk.quant_config(t, k), "one_row": pk.quant_config(t, k, split=False)}
-        order = ("words", 128) if k % 128 == 0 else ("plain", 16)
+        order = pk.default_order(k)
         for rho in (0.0, 0.5):
-            codes_ref = lambda v, rho=rho: pk.quantize_activations_rac(v, rac_ratio=rho, act_scale="token", backend="xla")
-            operand_ref = lambda v, rho=rho: pk.quantize_operand(v, rac_ratio=rho, order=order, backend="xla")
+            ref = lambda v, rho=rho: pk.quantize_operand(v, rac_ratio=rho, order=order, backend="xla")
             shape = f"T{t} K{k} rho{rho}"
-            codes_bytes = t * k * 2 + t * k * (1.125 if rho == 0 else 2.25)  # read BF16, write codes + scales (and the residual's)
+            nbytes = t * k * 4  # read BF16, write FP16
             for name, cfg in cfgs.items():
-                for select in ("auto",) if rho == 0 else ("auto", "bisect", "radix"):
+                for select in ("auto",) if rho == 0 else ("auto", "rank", "bisect", "radix"):
                     c = dataclasses.replace(cfg, select=select)
-                    kept = name == "default" and select == "auto"
-                    codes = lambda v, c=c, rho=rho: pk.quantize_activations_rac(v, rac_ratio=rho, act_scale="token", backend="pallas",
-                                                                                config=c)
-                    operand = lambda v, c=c, rho=rho: pk.quantize_operand(v, rac_ratio=rho, order=order, backend="pallas", config=c)
-                    cases += [Case("quant", shape, "codes", f"pallas {name} {select}", codes, (x,), ref=codes_ref, exact=True,
-                                   bytes=codes_bytes, kept=kept),
-                              Case("quant", shape, "GEMM operand", f"pallas {name} {select}", operand, (x,), ref=operand_ref,
-                                   exact=True, bytes=t * k * 4, kept=kept)]
-            cases += [Case("quant", shape, "codes", "xla", codes_ref, (x,), bytes=codes_bytes),
-                      Case("quant", shape, "GEMM operand", "xla", operand_ref, (x,), bytes=t * k * 4)]
+                    fn = lambda v, c=c, rho=rho: pk.quantize_operand(v, rac_ratio=rho, order=order, backend="pallas", config=c)
+                    cases.append(Case("quant", shape, "operand", f"pallas {name} {select}", fn, (x,), ref=ref, exact=True,
+                                      bytes=nbytes, kept=name == "default" and select == "auto"))
+            cases.append(Case("quant", shape, "operand", "xla", ref, (x,), bytes=nbytes))
     return cases
 
 

@@ -100,13 +100,12 @@ def cases(override=None):
         w = nvfp4.quantize(jnp.ones((n, k), jnp.float32))
         x = jnp.ones((t, k), jnp.bfloat16)
         cfg = dataclasses.replace(NM.gemm_config(t, n, k), **(override or {}))
-        xq, rq = pk.quantize_activations_rac(x, rac_ratio=rho, act_scale="token", backend="xla")
+        a, gx = pk.quantize_operand(x, rac_ratio=rho, order=NM.operand_order(cfg), backend="xla")
 
-        def f(xq, rq):
-            a, gx = NM.activation_operand(x, xq, rq, cfg)
+        def f(a, gx):
             return NM._gemm_call(a, gx, (w.codes,), (NM._bits(w.scales),), gw1, cfg=cfg, out_dtype=jnp.float32, interpret=False)
 
-        return (lambda: jax.jit(f).trace(xq, rq).lower(lowering_platforms=("cuda",))), cfg
+        return (lambda: jax.jit(f).trace(a, gx).lower(lowering_platforms=("cuda",))), cfg
 
     def grouped(tokens, n, k, rho, e=64, topk=8):
         m = tokens * topk
@@ -114,14 +113,13 @@ def cases(override=None):
         x = jnp.ones((m, k), jnp.bfloat16)
         sizes = jnp.asarray(np.full(e, m // e), jnp.int32)
         cfg = dataclasses.replace(NM.gemm_config(-(-m // e), n, k, programs_per_row_tile=e), **(override or {}))  # RAC: FP16 sum
-        xq, rq = pk.quantize_activations_rac(x, rac_ratio=rho, act_scale="token", backend="xla")
+        a, gx = pk.quantize_operand(x, rac_ratio=rho, order=NM.operand_order(cfg), backend="xla")
         gw = (jnp.ones((e,), jnp.float32),)
 
-        def f(xq, rq):
-            a, gx = NM.activation_operand(x, xq, rq, cfg)
+        def f(a, gx):
             return NG._grouped_call(a, gx, (w.codes,), (NM._bits(w.scales),), gw, sizes, cfg=cfg, out_dtype=jnp.float32, interpret=False)
 
-        return (lambda: jax.jit(f).trace(xq, rq).lower(lowering_platforms=("cuda",))), cfg
+        return (lambda: jax.jit(f).trace(a, gx).lower(lowering_platforms=("cuda",))), cfg
 
     for name, (fn, cfg) in (
         ("dense T16 4096x14336 rho0", dense(16, 14336, 4096, 0.0)),
@@ -138,11 +136,12 @@ def cases(override=None):
         yield name, fn, cfg, values
 
 
-def quant_cases(shapes=((16, 4096), (64, 4096), (16, 2048), (1, 4096))):
-    """(name, lower(), QuantConfig) of the activation quantizer (per-token scales) at decode
-    sizes, RAC 0 and 0.5: the heuristic's config writing codes, and the FP16 GEMM operand in
-    the word-part order (``quantize_operand``); and one program per row
-    writing codes (parts=1, the layout before the row split)."""
+def quant_cases(shapes=((16, 4096), (64, 4096), (256, 1024), (2048, 512)), selects=("auto",)):
+    """(name, lower(), QuantConfig) of the activation quantizer (per-token scales, the FP16
+    GEMM operand in the word-part order) at rollout sizes, RAC 0 and 0.5: the heuristic's
+    config and one program per row (parts=1), with each RAC selection of ``selects``."""
+    import dataclasses as dc
+
     import jax
     import jax.numpy as jnp
 
@@ -152,15 +151,13 @@ def quant_cases(shapes=((16, 4096), (64, 4096), (16, 2048), (1, 4096))):
         x = jnp.ones((t, k), jnp.bfloat16)
         for rho in (0.0, 0.5):
             n_sel = QA.rac.num_selected(rho, k // 16)
-            default = QA.quant_config(t, k)
-            one_row = QA.quant_config(t, k, split=False)
-            for cfg, emit in ((default, None), (default, ("words", 256)), (one_row, None)):
-                rows = -(-t // 8) * 8 if emit else None
-                fn = lambda cfg=cfg, n_sel=n_sel, x=x, emit=emit, rows=rows: jax.jit(
-                    lambda v: QA._quant_call(v, n_sel=n_sel, cfg=cfg, interpret=False, emit=emit, rows_out=rows)
-                ).trace(x).lower(lowering_platforms=("cuda",))
-                out = "codes" if emit is None else f"operand {emit[0]}"
-                yield f"quant T{t} K{k} rho{rho} parts{cfg.parts} chunk{cfg.chunk} w{cfg.num_warps} -> {out}", fn, cfg
+            for layout, base in (("default", QA.quant_config(t, k)), ("one_row", QA.quant_config(t, k, split=False))):
+                for select in selects if rho else ("auto",):
+                    cfg = dc.replace(base, select=select)
+                    fn = lambda cfg=cfg, n_sel=n_sel, x=x: jax.jit(
+                        lambda v: QA._quant_call(v, n_sel=n_sel, cfg=cfg, interpret=False, order=("words", 128), rows=v.shape[0])
+                    ).trace(x).lower(lowering_platforms=("cuda",))
+                    yield f"quant T{t} K{k} rho{rho} {layout} parts{cfg.parts} chunk{cfg.chunk} w{cfg.num_warps} {select}", fn, cfg
 
 
 def compile_ttir(triton_python, ttir, path, num_warps, num_stages):

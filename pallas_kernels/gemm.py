@@ -35,6 +35,7 @@ once per row tile, and the dense dot's MMA pipeline is far faster than decode + 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -104,17 +105,36 @@ def make_loaders(*, x_ref, wc_ref, ws_ref, act_sl, act_ok, col_sl, col_ok, cfg, 
     return load_a, load_w
 
 
-def activation_operand(x, xq, rq, cfg):
-    """The fused kernel's token operand and global scales (a, gx): BF16 ``x`` and no scale for
-    w4a16 (``xq`` None); else the quantized activations' block values (exact in BF16; with a
-    residual, RAC's FP16 compensated values ``rac.compensated_values``), decoded once here,
-    not once per program. With ``cfg.decode == "words"`` the values come in the word parts'
-    channel order (``tile_math.to_word_parts_order``)."""
-    order = (lambda v: to_word_parts_order(v, cfg.block_k)) if cfg.decode == "words" else (lambda v: v)
-    if xq is None:
-        return order(x.astype(jnp.bfloat16)), None
-    v = nvfp4.block_values(xq, jnp.bfloat16) if rq is None else rac.compensated_values(xq, rq)
-    return order(v), xq.global_scale
+def operand_order(cfg):
+    """The column order (``tile_math.operand_columns``) of the fused kernel's token operand:
+    the word parts of each ``block_k`` tile with the word decode, else channel order."""
+    return ("words", cfg.block_k) if cfg.decode == "words" else ("plain", 16)
+
+
+def following(cfg, order, k):
+    """``cfg`` with the decode that reads a token operand in ``order`` (rows quantized ahead of
+    the GEMM, ``QuantizedRows``): the word decode with K tiles of the order's, or the bit
+    decode."""
+    kind, tile = order
+    cfg = dataclasses.replace(cfg, decode="words", block_k=tile) if kind == "words" else dataclasses.replace(cfg, decode="bits")
+    if k % (cfg.block_k * cfg.split_k):
+        raise ValueError(f"x: QuantizedRows in order {order} need K={k} to be a multiple of block_k * split_k = "
+                         f"{cfg.block_k * cfg.split_k}")
+    return cfg
+
+
+def token_operand(x, cfg, *, mode, rac_ratio, quant_config):
+    """(a, gx): the fused kernel's token operand in ``operand_order(cfg)`` and its global
+    scales. w4a16: x in BF16 and no scale; QuantizedRows: their operand (``cfg`` follows their
+    order); else the quantizer's FP16 operand (``quantize_operand``: q(x), or RAC's
+    compensated activation), written in the kernel's order by the quantizer itself."""
+    order = operand_order(cfg)
+    if mode == "w4a16":
+        v = x.astype(jnp.bfloat16)
+        return (v if order[0] == "plain" else to_word_parts_order(v, order[1])), None
+    if isinstance(x, QuantizedRows):
+        return x.a, x.gx
+    return quantize_operand(x, rac_ratio=rac_ratio, order=order, backend="pallas", config=quant_config)
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -230,7 +250,7 @@ def check_weight(w, name="w", ndim=2):
         raise ValueError(f"{name}: expected a rank-{ndim} weight quantized along its last axis (K), got shape {w.shape} axis {w.axis}")
 
 
-def _check_args(x, w, mode, rac_ratio, rac_mode, ndim=2, rac_sum="fp16"):
+def _check_args(x, w, mode, rac_ratio, rac_mode, ndim=2, rac_sum="fp16", act_scale="token"):
     check_weight(w, ndim=ndim)
     if not hasattr(x, "ndim") or x.ndim != 2:
         raise ValueError(f"x: expected a 2-D array [T, K], got shape {getattr(x, 'shape', None)}")
@@ -241,27 +261,38 @@ def _check_args(x, w, mode, rac_ratio, rac_mode, ndim=2, rac_sum="fp16"):
     rac.check_rac(rac_ratio, rac_mode, rac_sum)
     if mode == "w4a16" and rac_ratio > 0:
         raise ValueError("rac_ratio: residual compensation needs mode='w4a4' (w4a16 has no activation error)")
+    if isinstance(x, QuantizedRows) and (mode != "w4a4" or act_scale != "token" or rac_mode != "token" or x.rac_ratio != float(rac_ratio)
+                                         or (rac_ratio > 0 and rac_sum != "fp16")):
+        raise ValueError(f"x: QuantizedRows (rac_ratio={x.rac_ratio}, per-token scales and selection, the FP16 RAC sum) used by a "
+                         f"GEMM with mode={mode!r}, rac_ratio={rac_ratio}, rac_mode={rac_mode!r}, act_scale={act_scale!r}, "
+                         f"rac_sum={rac_sum!r}")
 
 
-def quantized_operands(x, *, mode, rac_ratio, rac_mode, act_scale, backend, quant_config=None):
-    """Activation side shared by the dense and grouped GEMMs: (x codes or None, residual).
-    ``x`` may be QuantizedRows (quantized beforehand): its operands are used as they are."""
-    if isinstance(x, QuantizedRows):
-        if mode != "w4a4" or act_scale != "token" or (x.rac_ratio, x.rac_mode) != (float(rac_ratio), rac_mode):
-            raise ValueError(f"x: QuantizedRows (rac_ratio={x.rac_ratio}, rac_mode={x.rac_mode!r}, per-token scales) used by a GEMM "
-                             f"with mode={mode!r}, rac_ratio={rac_ratio}, rac_mode={rac_mode!r}, act_scale={act_scale!r}")
-        return x.xq, x.rq
+def in_kernel_regime(mode, rac_ratio, rac_mode, act_scale, rac_sum) -> bool:
+    """Whether the Pallas kernels compute this product: BF16 activations (w4a16), or W4A4 with
+    per-token scales, RAC's per-token selection and its FP16 sum: the rollout's quantization.
+    The ablations (per-tensor scales, the tensor and channel selections) and ``rac_sum="exact"``
+    (the SGLang plugin's FP32 sum of two products, for parity checks) run the XLA reference."""
+    return mode == "w4a16" or (act_scale == "token" and (rac_ratio == 0 or (rac_mode == "token" and rac_sum == "fp16")))
+
+
+def reference_product(dot, x, wv, *, mode, rac_ratio, rac_mode, rac_sum, act_scale):
+    """The activation side times the weight's BF16 block values ``wv`` in float32, before the
+    weight's global scale, for ``dot(a, b)`` (any contraction: dense or ragged): x in BF16
+    (w4a16); QuantizedRows' FP16 operand times their gx; else the XLA quantizer's codes, their
+    block values (exact), gx * (Xv @ Wv) + gr * (Rv @ Wv), with ``rac_sum="fp16"`` as one FP16
+    product of ``rac.compensated_values``."""
     if mode == "w4a16":
-        return None, None
-    return quantize_activations_rac(x, rac_ratio=rac_ratio, rac_mode=rac_mode, act_scale=act_scale, backend=backend,
-                                    config=quant_config)
-
-
-def fuses_residual(mode, rac_ratio, rac_sum) -> bool:
-    """Whether the fused kernels can run this product: everything but RAC's ``rac_sum="exact"``
-    (the SGLang plugin's FP32 sum of two products, for parity checks), which the Pallas
-    backend runs as the dequantized dot (``dequant_dot``)."""
-    return not (mode == "w4a4" and rac_ratio > 0 and rac_sum == "exact")
+        return dot(x.astype(jnp.bfloat16), wv)
+    if isinstance(x, QuantizedRows):
+        return dot(x.plain(), wv.astype(jnp.float16)) * x.gx
+    xq, rq = quantize_activations_rac(x, rac_ratio=rac_ratio, rac_mode=rac_mode, act_scale=act_scale)
+    if rq is not None and rac_sum == "fp16":
+        return dot(rac.compensated_values(xq, rq), wv.astype(jnp.float16)) * xq.global_scale
+    out = dot(nvfp4.block_values(xq), wv) * xq.global_scale
+    if rq is not None:
+        out = out + dot(nvfp4.block_values(rq), wv) * rq.global_scale
+    return out
 
 
 def as_weights(w):
@@ -274,45 +305,20 @@ def as_weights(w):
     return (w,), False
 
 
+def _dot_nt(a, b):
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
 def nvfp4_matmul_xla(x, w, *, rac_ratio=0.0, rac_mode="token", rac_sum="fp16", act_scale="tensor", mode="w4a4", out_dtype=jnp.bfloat16):
-    """The XLA reference: the same operands and epilogue with ``jnp.dot`` (BF16 or FP16 in,
-    FP32 out)."""
+    """The XLA reference: ``reference_product`` with ``jnp.dot`` (BF16 or FP16 in, FP32 out),
+    times the weight's global scale."""
     ws, many = as_weights(w)
     for wi in ws:
-        _check_args(x, wi, mode, rac_ratio, rac_mode, rac_sum=rac_sum)
-    if mode == "w4a16":
-        outs = tuple(dequant_dot(None, None, wi, x=x, out_dtype=out_dtype) for wi in ws)
-    else:
-        xq, rq = quantized_operands(x, mode=mode, rac_ratio=rac_ratio, rac_mode=rac_mode, act_scale=act_scale, backend="xla")
-        outs = tuple(dequant_dot(xq, rq, wi, out_dtype=out_dtype, rac_sum=rac_sum) for wi in ws)
+        _check_args(x, wi, mode, rac_ratio, rac_mode, rac_sum=rac_sum, act_scale=act_scale)
+    kw = dict(mode=mode, rac_ratio=rac_ratio, rac_mode=rac_mode, rac_sum=rac_sum, act_scale=act_scale)
+    outs = tuple((reference_product(_dot_nt, x, nvfp4.block_values(wi), **kw) * jnp.asarray(wi.global_scale, jnp.float32))
+                 .astype(out_dtype) for wi in ws)
     return outs if many else outs[0]
-
-
-def dequant_dot(xq, rq, w, *, x=None, out_dtype=jnp.bfloat16, values=nvfp4.block_values, rac_sum="fp16"):
-    """gw * (gx * Xv @ Wv.T + gr * Rv @ Wv.T) from the operands' block values (exact) with a
-    BF16 dot accumulating in FP32 (``rac_sum="fp16"``: one FP16 dot of the compensated
-    activation, ``rac.compensated_values``); ``xq`` None means BF16 activations ``x``
-    (w4a16). The XLA reference, and the Pallas backend's ``path="dequant"`` (prefill sizes:
-    XLA fuses the decode; a Pallas decode kernel saved 11 of 40 us a 4096 x 4096 weight on
-    the H200, under 5% of a prefill GEMM, and left). ``values``: NVFP4Tensor -> block values."""
-    wv = values(w)
-    dot = lambda a, b=wv: jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    gw = jnp.asarray(w.global_scale, jnp.float32)
-    if xq is None:
-        return (dot(x.astype(jnp.bfloat16)) * gw).astype(out_dtype)
-    return (activation_product(dot, xq, rq, wv, rac_sum, values) * gw).astype(out_dtype)
-
-
-def activation_product(dot, xq, rq, wv, rac_sum, values=nvfp4.block_values):
-    """gx * (Xv @ Wv.T) + gr * (Rv @ Wv.T) in float32 for ``dot(a, b)`` (a product of [rows, K]
-    operands, any contraction: dense or ragged), ``wv`` the weight's BF16 block values; with
-    ``rac_sum="fp16"`` and a residual, one FP16 product of ``rac.compensated_values``."""
-    if rq is not None and rac_sum == "fp16":
-        return dot(rac.compensated_values(xq, rq, values), wv.astype(jnp.float16)) * xq.global_scale
-    out = dot(values(xq), wv) * xq.global_scale
-    if rq is not None:
-        out = out + dot(values(rq), wv) * rq.global_scale
-    return out
 
 
 def _bits(scales):
@@ -325,46 +331,38 @@ def nvfp4_matmul(x, w, *, rac_ratio=0.0, rac_mode="token", rac_sum="fp16", act_s
     mode "w4a4": activations quantized to NVFP4 on the fly (per-tensor or per-token global
     scale), plus RAC with ``rac_ratio`` (0 = naive W4A4), its two products added as ``rac_sum``
     says (``pallas_kernels.rac``: "fp16", one FP16 MMA of the compensated activation, or
-    "exact", the two products summed in FP32); "w4a16": BF16 activations.
+    "exact", the two products summed in FP32); "w4a16": BF16 activations. ``x`` may be
+    QuantizedRows (``quantize_rows``: quantized ahead, per-token).
     Returns [T, N] in ``out_dtype``. ``w`` may be a sequence of weights with the same K (the
     projections that read one input): then the activations are quantized once, one launch
     computes every product, and the result is the tuple of their outputs. ``backend`` None
-    uses the process default; ``config`` and ``quant_config`` override the GEMM's and the
+    picks the Pallas kernels on a GPU; they cover the rollout's regime (``in_kernel_regime``),
+    the rest runs the reference. ``config`` and ``quant_config`` override the GEMM's and the
     activation quantizer's tuning (the GEMM's tiles are chosen for the summed N)."""
-    if resolve_backend(backend) == "xla":
-        return nvfp4_matmul_xla(x, w, rac_ratio=rac_ratio, rac_mode=rac_mode, rac_sum=rac_sum, act_scale=act_scale, mode=mode,
-                                out_dtype=out_dtype)
+    kw = dict(rac_ratio=rac_ratio, rac_mode=rac_mode, rac_sum=rac_sum, act_scale=act_scale, mode=mode)
+    if resolve_backend(backend) == "xla" or not in_kernel_regime(mode, rac_ratio, rac_mode, act_scale, rac_sum):
+        return nvfp4_matmul_xla(x, w, out_dtype=out_dtype, **kw)
     ws, many = as_weights(w)
     for wi in ws:
-        _check_args(x, wi, mode, rac_ratio, rac_mode, rac_sum=rac_sum)
+        _check_args(x, wi, mode, rac_ratio, rac_mode, rac_sum=rac_sum, act_scale=act_scale)
     t, k = x.shape
     if k % 32:
         raise ValueError(f"x: the Pallas GEMM needs K % 32 == 0 (got K={k}); use backend='xla'")
     cfg = config or gemm_config(t, sum(wi.shape[0] for wi in ws), k)
-    if cfg.path == "fused" and fuses_residual(mode, rac_ratio, rac_sum):
-        order = operand_order(x, cfg, mode=mode, rac_mode=rac_mode, act_scale=act_scale)
-        if order is not None:  # the quantizer writes the FP16 token operand itself
-            a, gx = quantize_operand(x, rac_ratio=rac_ratio, order=order, rows=t, backend="pallas", config=quant_config)
+    if cfg.path == "dequant":  # the operand in channel order, one dense dot a weight
+        if isinstance(x, QuantizedRows):
+            a, gx = x.plain(), x.gx
+        elif mode == "w4a16":
+            a, gx = x.astype(jnp.bfloat16), None
         else:
-            xq, rq = quantized_operands(x, mode=mode, rac_ratio=rac_ratio, rac_mode=rac_mode, act_scale=act_scale,
-                                        backend="pallas", quant_config=quant_config)
-            a, gx = activation_operand(x, xq, rq, cfg)
+            a, gx = quantize_operand(x, rac_ratio=rac_ratio, backend="pallas", config=quant_config)
+        dot = lambda wi: _dot_nt(a, nvfp4.block_values(wi, a.dtype)) * (1.0 if gx is None else gx)
+        outs = tuple((dot(wi) * jnp.asarray(wi.global_scale, jnp.float32)).astype(out_dtype) for wi in ws)
+    else:
+        if isinstance(x, QuantizedRows):
+            cfg = following(cfg, x.order, k)
+        a, gx = token_operand(x, cfg, mode=mode, rac_ratio=rac_ratio, quant_config=quant_config)
         gw = tuple(jnp.reshape(jnp.asarray(wi.global_scale, jnp.float32), (1,)) for wi in ws)
         outs = _gemm_call(a, gx, tuple(wi.codes for wi in ws), tuple(_bits(wi.scales) for wi in ws), gw, cfg=cfg,
                           out_dtype=out_dtype, interpret=interpret_mode())
-    else:
-        xq, rq = quantized_operands(x, mode=mode, rac_ratio=rac_ratio, rac_mode=rac_mode, act_scale=act_scale, backend="pallas",
-                                    quant_config=quant_config)
-        outs = tuple(dequant_dot(xq, rq, wi, x=x, out_dtype=out_dtype, rac_sum=rac_sum) for wi in ws)
     return outs if many else outs[0]
-
-
-def operand_order(x, cfg, *, mode, rac_mode, act_scale):
-    """The channel order (``tile_math.operand_columns``) in which the activation quantizer
-    writes the fused kernel's FP16 token operand, or None where the GEMM quantizes otherwise.
-    It does so for BF16 activations with per-token scales and RAC's per-token selection (or
-    no RAC), the rollout's case: the operand in word-part order with the word decode. That
-    saves the XLA kernel that decoded the codes into that operand (``activation_operand``)."""
-    if isinstance(x, QuantizedRows) or mode != "w4a4" or act_scale != "token" or rac_mode != "token":
-        return None
-    return ("words", cfg.block_k) if cfg.decode == "words" else ("plain", 16)

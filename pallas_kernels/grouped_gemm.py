@@ -28,18 +28,19 @@ from pallas_kernels.gemm import (
     GemmConfig,
     _bits,
     _check_args,
-    activation_operand,
-    activation_product,
     as_weights,
     code_form,
+    following,
     for_each_weight,
-    fuses_residual,
     gemm_config,
+    in_kernel_regime,
     out_shapes,
     output_tile,
-    quantized_operands,
     reduce_split,
+    reference_product,
+    token_operand,
 )
+from pallas_kernels.quantizer import QuantizedRows
 
 
 def check_group_sizes(group_sizes, m: int, e: int):
@@ -120,26 +121,10 @@ def _per_expert_gw(w):
     return jnp.broadcast_to(jnp.asarray(w.global_scale, jnp.float32).reshape(-1), (e,))
 
 
-def ragged_product(x, xq, rq, ws, group_sizes, *, mode, rac_sum, out_dtype):
-    """``lax.ragged_dot`` over the operands' block values (BF16, or FP16 for ``rac_sum="fp16"``'s
-    compensated activation), for each weight of ``ws``: the reference's product."""
-    ex = expert_of_rows(group_sizes, x.shape[0])
-
-    def one(wi):
-        wv = jnp.swapaxes(nvfp4.block_values(wi, jnp.bfloat16), 1, 2)  # [E, K, N]
-        dot = lambda a, b=wv: jax.lax.ragged_dot(a, b, group_sizes, preferred_element_type=jnp.float32)
-        gw = jnp.concatenate([_per_expert_gw(wi), jnp.zeros((1,), jnp.float32)])[ex][:, None]
-        if mode == "w4a16":
-            return (dot(x.astype(jnp.bfloat16)) * gw).astype(out_dtype)
-        return (activation_product(dot, xq, rq, wv, rac_sum) * gw).astype(out_dtype)
-
-    return tuple(one(wi) for wi in ws)
-
-
-def _checked(x, w, group_sizes, mode, rac_ratio, rac_mode, rac_sum):
+def _checked(x, w, group_sizes, mode, rac_ratio, rac_mode, rac_sum, act_scale):
     ws, many = as_weights(w)
     for wi in ws:
-        _check_args(x, wi, mode, rac_ratio, rac_mode, ndim=3, rac_sum=rac_sum)
+        _check_args(x, wi, mode, rac_ratio, rac_mode, ndim=3, rac_sum=rac_sum, act_scale=act_scale)
     e = ws[0].shape[0]
     if any(wi.shape[0] != e for wi in ws):
         raise ValueError(f"w: the weights of one grouped launch need the same expert count, got {[wi.shape for wi in ws]}")
@@ -147,36 +132,44 @@ def _checked(x, w, group_sizes, mode, rac_ratio, rac_mode, rac_sum):
 
 
 def nvfp4_grouped_matmul_xla(x, w, group_sizes, *, rac_ratio=0.0, rac_mode="token", rac_sum="fp16", act_scale="tensor", mode="w4a4", out_dtype=jnp.bfloat16):
-    """The XLA reference: the XLA quantizer and ``ragged_product``."""
-    ws, many, group_sizes = _checked(x, w, group_sizes, mode, rac_ratio, rac_mode, rac_sum)
-    xq, rq = quantized_operands(x, mode=mode, rac_ratio=rac_ratio, rac_mode=rac_mode, act_scale=act_scale, backend="xla")
-    outs = ragged_product(x, xq, rq, ws, group_sizes, mode=mode, rac_sum=rac_sum, out_dtype=out_dtype)
+    """The XLA reference: ``gemm.reference_product`` with ``lax.ragged_dot`` over the experts'
+    block values, times each row's expert's global scale."""
+    ws, many, group_sizes = _checked(x, w, group_sizes, mode, rac_ratio, rac_mode, rac_sum, act_scale)
+    ex = expert_of_rows(group_sizes, x.shape[0])
+
+    def one(wi):
+        wv = jnp.swapaxes(nvfp4.block_values(wi, jnp.bfloat16), 1, 2)  # [E, K, N]
+        dot = lambda a, b: jax.lax.ragged_dot(a, b, group_sizes, preferred_element_type=jnp.float32)
+        gw = jnp.concatenate([_per_expert_gw(wi), jnp.zeros((1,), jnp.float32)])[ex][:, None]
+        out = reference_product(dot, x, wv, mode=mode, rac_ratio=rac_ratio, rac_mode=rac_mode, rac_sum=rac_sum, act_scale=act_scale)
+        return (out * gw).astype(out_dtype)
+
+    outs = tuple(one(wi) for wi in ws)
     return outs if many else outs[0]
 
 
 def nvfp4_grouped_matmul(x, w, group_sizes, *, rac_ratio=0.0, rac_mode="token", rac_sum="fp16", act_scale="tensor", mode="w4a4", backend=None, out_dtype=jnp.bfloat16, config: GemmConfig | None = None):
     """Per-expert x_e @ W_e.T for rows sorted by expert; see the module docstring. ``w`` may be
     a sequence of expert weights with the same E and K (gate and up): one launch, a tuple of
-    outputs. ``rac_sum`` as in ``nvfp4_matmul``: "exact" runs ``ragged_product`` after the
-    Pallas quantizer (a parity check's path, not the rollout's)."""
-    if resolve_backend(backend) == "xla":
-        return nvfp4_grouped_matmul_xla(x, w, group_sizes, rac_ratio=rac_ratio, rac_mode=rac_mode, rac_sum=rac_sum,
-                                        act_scale=act_scale, mode=mode, out_dtype=out_dtype)
-    ws, many, group_sizes = _checked(x, w, group_sizes, mode, rac_ratio, rac_mode, rac_sum)
+    outputs. ``x`` may be QuantizedRows (the MoE dispatch gathers the T tokens' rows). The
+    arguments as in ``nvfp4_matmul``; outside ``gemm.in_kernel_regime`` the reference runs."""
+    kw = dict(rac_ratio=rac_ratio, rac_mode=rac_mode, rac_sum=rac_sum, act_scale=act_scale, mode=mode)
+    if resolve_backend(backend) == "xla" or not in_kernel_regime(mode, rac_ratio, rac_mode, act_scale, rac_sum):
+        return nvfp4_grouped_matmul_xla(x, w, group_sizes, out_dtype=out_dtype, **kw)
+    ws, many, group_sizes = _checked(x, w, group_sizes, mode, rac_ratio, rac_mode, rac_sum, act_scale)
     m, k = x.shape
     if k % 32:
         raise ValueError(f"x: the Pallas GEMM needs K % 32 == 0 (got K={k}); use backend='xla'")
     # tiles sized for the rows an expert gets on average (decode: a few), not for all rows
-    cfg = config or gemm_config(-(-m // ws[0].shape[0]), sum(wi.shape[1] for wi in ws), k, programs_per_row_tile=ws[0].shape[0])
+    e = ws[0].shape[0]
+    cfg = config or gemm_config(-(-m // e), sum(wi.shape[1] for wi in ws), k, programs_per_row_tile=e)
     if cfg.path != "fused":
         raise ValueError(f"config: GemmConfig.path={cfg.path!r} is for the dense GEMM; the grouped GEMM is fused only "
                          "(backend='xla' runs lax.ragged_dot on the decoded values)")
-    xq, rq = quantized_operands(x, mode=mode, rac_ratio=rac_ratio, rac_mode=rac_mode, act_scale=act_scale, backend="pallas")
-    if not fuses_residual(mode, rac_ratio, rac_sum):
-        outs = ragged_product(x, xq, rq, ws, group_sizes, mode=mode, rac_sum=rac_sum, out_dtype=out_dtype)
-    else:
-        a, gx = activation_operand(x, xq, rq, cfg)
-        outs = _grouped_call(a, gx, tuple(wi.codes for wi in ws), tuple(_bits(wi.scales) for wi in ws),
-                             tuple(_per_expert_gw(wi) for wi in ws), group_sizes, cfg=cfg, out_dtype=out_dtype,
-                             interpret=interpret_mode())
+    if isinstance(x, QuantizedRows):
+        cfg = following(cfg, x.order, k)
+    a, gx = token_operand(x, cfg, mode=mode, rac_ratio=rac_ratio, quant_config=None)
+    outs = _grouped_call(a, gx, tuple(wi.codes for wi in ws), tuple(_bits(wi.scales) for wi in ws),
+                         tuple(_per_expert_gw(wi) for wi in ws), group_sizes, cfg=cfg, out_dtype=out_dtype,
+                         interpret=interpret_mode())
     return outs if many else outs[0]

@@ -1,11 +1,14 @@
-"""Activation quantization to NVFP4, with the RAC residual pass fused in.
+"""The rollout's activation quantizer: x [T, K] -> the FP16 token operand of the NVFP4 GEMMs.
 
-x [T, K] -> NVFP4 codes [T, K/2] and E4M3 block scales [T, K/16] with a dynamic global
-scale per token (computed in the kernel), identical to ``quads_jax.nvfp4.quantize``. With
-``rac_ratio > 0`` the same kernel also selects the residual blocks (per token, by energy,
-see ``rac.py``) and quantizes them a second time, so the rollout's activation side is one
-launch. A per-tensor scale and RAC's tensor / channel selections (ablations) run the XLA
-reference.
+One kernel quantizes BF16 activations to NVFP4 with a dynamic global scale per token
+(computed in the kernel), takes RAC's residual, selects its highest-energy blocks per token
+(``rac.py``), quantizes them a second time, and writes the GEMMs' token operand: the block
+values of q(x), or with RAC the compensated ``dq(q(x)) + dq(q(r_sel))`` over gx rounded once
+to FP16 (``rac.compensated_values``), each channel in the column order the consuming GEMM
+reads (``tile_math.operand_columns``), and the global scales. The NVFP4 codes themselves
+(``quantize_activations_rac``: per-tensor or per-token scales, any RAC selection) come from
+the XLA reference, ``nvfp4.quantize`` and ``rac.quantize_residual``, whose bits the kernel's
+operand reproduces exactly.
 
 Kernel layout: the grid is (token rows / ``block_rows``, ``parts``). Program (i, p) owns
 the channels [p K / parts, (p + 1) K / parts) of its tokens: it quantizes and stores only
@@ -14,11 +17,10 @@ selection) it computes from the whole row, loaded again by each of the row's pro
 few KB from L2), so the bits do not depend on ``parts``. At decode sizes this is what keeps
 the chip busy: 16 tokens are 16 programs, one a row, and RAC's selection is the longest
 serial work in them; ``parts`` spreads each row's selection and stores over several programs.
-Rows are walked in chunks of ``chunk`` channels (a power of two dividing K / parts). Each
-chunk is loaded as its even and odd channels (stride-2 loads), which are exactly the low and
-high nibbles of the packed codes, so packing needs no interleave. The in-kernel top fraction
-is exact: an all-pairs rank count of the owned blocks' energies against the row's, for rows of
-up to RANK_MAX_BLOCKS blocks, a 31-step bisection on their bit patterns for longer rows
+Rows are walked in chunks of ``chunk`` channels (a power of two dividing K / parts), each
+loaded as its even and odd channels (stride-2 loads). The in-kernel top fraction is exact:
+an all-pairs rank count of the owned blocks' energies against the row's, for rows of up to
+RANK_MAX_BLOCKS blocks, a 31-step bisection on their bit patterns for longer rows
 (``_top_blocks``).
 """
 
@@ -109,12 +111,6 @@ def quant_config(t: int, k: int, num_sms: int | None = None, split: bool = True)
 
 def _split_blocks(v, rows, chunk):
     return v.reshape(rows, chunk // 16, 8)
-
-
-def _encode_pair(qe, qo, rows, chunk):
-    lo = nvfp4.encode_e2m1(qe).reshape(rows, chunk // 2)
-    hi = nvfp4.encode_e2m1(qo).reshape(rows, chunk // 2)
-    return lo | (hi << 4)
 
 
 def _row_global_scale(chunks, arith):
@@ -228,12 +224,6 @@ def _residual(quantized, gx, arith):
     return re, ro, jnp.sum(re * re, -1) + jnp.sum(ro * ro, -1)
 
 
-def _store_codes(c_ref, s_ref, row_sl, row_ok, at, j, quantized, rows, c):
-    qe, qo, s3 = quantized[:3]
-    plgpu.store(c_ref.at[row_sl, pl.ds(at(j, 2), c // 2)], _encode_pair(qe, qo, rows, c).astype(jnp.uint8), mask=row_ok)
-    plgpu.store(s_ref.at[row_sl, pl.ds(at(j, 16), c // 16)], nvfp4.encode_e4m3_bits(s3[:, :, 0]).astype(jnp.uint8), mask=row_ok)
-
-
 def _store_operand(a_ref, rows_idx, rows_ok, start, quantized, residual, rows, c, order):
     """The chunk's FP16 token operand (``rac.compensated_values``, or the block values without
     a residual: the same float32 sum, rounded once), scattered to its columns in ``order``."""
@@ -245,13 +235,10 @@ def _store_operand(a_ref, rows_idx, rows_ok, start, quantized, residual, rows, c
         plgpu.store(a_ref.at[rows_idx, cols], v.reshape(rows, c // 2).astype(jnp.float16), mask=rows_ok)
 
 
-def _quant_kernel(*, x_ref, gx_ref, xc_ref=None, xs_ref=None, rc_ref=None, rs_ref=None, a_ref=None,
-                  t, k, cfg, n_sel, arith, interpret, order=None, rows_out=None):
+def _quant_kernel(x_ref, a_ref, gx_ref, *, t, k, cfg, n_sel, arith, interpret, order):
     """One program: ``block_rows`` token rows x the channels of part ``program_id(1)``.
-
-    Input: x. Outputs: the per-token global scales ``gx_ref``; the codes and scale bits of x
-    (and of the selected residual with RAC), or with ``a_ref`` the FP16 GEMM operand in the
-    column ``order``."""
+    Input: x [T, K]. Outputs: the FP16 operand ``a_ref`` [rows, K] in the column ``order``
+    (rows from T on written as zeros) and the per-token global scales ``gx_ref`` [T, 1]."""
     bm, c, own = cfg.block_rows, cfg.chunk, k // cfg.parts
     i, p = pl.program_id(0), pl.program_id(1)
     row_sl = pl.ds(i * bm, bm)
@@ -260,7 +247,7 @@ def _quant_kernel(*, x_ref, gx_ref, xc_ref=None, xs_ref=None, rc_ref=None, rs_re
     # the owned chunks start at channel p * own + j * c (the program index times a constant,
     # never a division: see gemm_tile_loop); with parts > 1 the whole row is loaded too, for
     # the amax and the residual energies, and kept in registers (K / (32 num_warps) a thread)
-    at = lambda j, unit=1: p * (own // unit) + j * (c // unit)
+    at = lambda j: p * own + j * c
     row = [load(j * c) for j in range(k // c)] if cfg.parts > 1 else None
     chunks = [load(at(j)) for j in range(own // c)]
     gx = _row_global_scale(row or chunks, arith)  # [bm, 1]
@@ -279,34 +266,20 @@ def _quant_kernel(*, x_ref, gx_ref, xc_ref=None, xs_ref=None, rc_ref=None, rs_re
         for j, (re, ro, _) in enumerate(residuals):
             m = selected[j][:, :, None]
             second[j] = _quantize_pair(jnp.where(m, re, 0.0), jnp.where(m, ro, 0.0), gr, arith)
+    rows_idx = (i * bm + jnp.arange(bm))[:, None]  # every row of the (padded) operand is written
     for j, (q, r) in enumerate(zip(owned, second)):
-        if a_ref is not None:  # every row of the (padded) operand is written; rows from T on are zero
-            rows_idx = (i * bm + jnp.arange(bm))[:, None]
-            _store_operand(a_ref, rows_idx, rows_idx < rows_out, at(j), q, r, bm, c, order)
-            continue
-        _store_codes(xc_ref, xs_ref, row_sl, row_ok, at, j, q, bm, c)
-        if r is not None:
-            _store_codes(rc_ref, rs_ref, row_sl, row_ok, at, j, r, bm, c)
+        _store_operand(a_ref, rows_idx, rows_idx < a_ref.shape[0], at(j), q, r, bm, c, order)
 
 
-@functools.partial(jax.jit, static_argnames=("n_sel", "cfg", "interpret", "emit", "rows_out"))
-def _quant_call(x, *, n_sel, cfg, interpret, emit=None, rows_out=None):
-    """The kernel's outputs: codes and scale bits of x (and of the residual with RAC), then
-    the per-token global scales [T, 1]; with ``emit`` (an order, see
-    ``tile_math.operand_columns``) the FP16 token operand [rows_out, K] in place of the codes."""
+@functools.partial(jax.jit, static_argnames=("n_sel", "cfg", "interpret", "order", "rows"))
+def _quant_call(x, *, n_sel, cfg, interpret, order, rows):
+    """(the FP16 operand [rows, K] in ``order``, the global scales [T, 1]); x's rows from T to
+    ``rows`` are zero (interpret mode pads x, which it loads clamped)."""
     t, k = x.shape
-    rows = rows_out or t
-    codes = lambda: [jax.ShapeDtypeStruct((t, k // 2), jnp.uint8), jax.ShapeDtypeStruct((t, k // 16), jnp.uint8)]
-    if emit:
-        outs = {"a_ref": jax.ShapeDtypeStruct((rows, k), jnp.float16)}
-    else:
-        outs = dict(zip(("xc_ref", "xs_ref"), codes())) | (dict(zip(("rc_ref", "rs_ref"), codes())) if n_sel > 0 else {})
-    outs["gx_ref"] = jax.ShapeDtypeStruct((t, 1), jnp.float32)
-    names = ["x_ref"] + list(outs)
-    kw = dict(t=t, k=k, cfg=cfg, n_sel=n_sel, arith=kernel_arith(interpret), interpret=interpret, order=emit, rows_out=rows)
     return pl.pallas_call(
-        lambda *refs: _quant_kernel(**dict(zip(names, refs)), **kw),
-        out_shape=list(outs.values()),
+        functools.partial(_quant_kernel, t=t, k=k, cfg=cfg, n_sel=n_sel, arith=kernel_arith(interpret), interpret=interpret,
+                          order=order),
+        out_shape=(jax.ShapeDtypeStruct((rows, k), jnp.float16), jax.ShapeDtypeStruct((t, 1), jnp.float32)),
         grid=(pl.cdiv(rows, cfg.block_rows), cfg.parts),
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
@@ -326,35 +299,30 @@ def _check_x(x, name="x"):
         raise ValueError(f"{name}: K={x.shape[1]} must be a multiple of 16 (NVFP4 blocks)")
 
 
-def _tensor(codes, scales, gs, shape):
-    return nvfp4.NVFP4Tensor(
-        codes=codes, scales=jax.lax.bitcast_convert_type(scales, jnp.float8_e4m3fn), global_scale=gs, shape=shape, axis=1
-    )
-
-
-def quantize_activations_rac(x, *, rac_ratio: float = 0.0, rac_mode: str = "token", act_scale: str = "tensor", backend=None, config: QuantConfig | None = None):
-    """x [T, K] -> (q(x), q(r_sel) or None): NVFP4 activations and the RAC residual tensor.
-
-    Both carry global scales of shape [T, 1]. ``backend`` picks the Pallas kernel or the
-    XLA reference (same numbers). The kernel covers the rollout's quantization, per-token
-    global scales (``act_scale="token"``) and RAC's per-token selection; a per-tensor scale
-    or the tensor / channel selections (ablations) run the reference."""
+def quantize_activations_rac(x, *, rac_ratio: float = 0.0, rac_mode: str = "token", act_scale: str = "tensor"):
+    """x [T, K] -> (q(x), q(r_sel) or None): the NVFP4 activations and RAC's residual tensor,
+    both with global scales of shape [T, 1] (one per tensor, broadcast, or one per token).
+    The XLA reference: the codes the rollout's kernel (``quantize_operand``) computes and
+    turns into the GEMMs' operand, and the ablations' (per-tensor scales, the tensor and
+    channel selections)."""
     _check_x(x)
     rac.check_rac(rac_ratio, rac_mode)
-    t, k = x.shape
-    n_sel = rac.num_selected(rac_ratio, k // 16)
-    if config is not None:  # checked whatever path runs: the heuristic's own configs always fit
-        config.check(k)
-    if resolve_backend(backend) == "xla" or act_scale != "token" or (rac_ratio > 0 and rac_mode != "token"):
-        gx = rac.activation_global_scale(x, act_scale)
-        xq = nvfp4.quantize(x.astype(jnp.float32), global_scale=gx)
-        rq = rac.quantize_residual(x, gx, rac_ratio, rac_mode) if rac_ratio > 0 else None
-        return xq, rq
-    cfg = config or quant_config(t, k)
-    *outs, gx = _quant_call(x, n_sel=n_sel if rac_ratio > 0 else 0, cfg=cfg, interpret=interpret_mode())
-    xq = _tensor(outs[0], outs[1], gx, (t, k))
-    rq = _tensor(outs[2], outs[3], rac.residual_global_scale(gx), (t, k)) if len(outs) == 4 else None
+    gx = rac.activation_global_scale(x, act_scale)
+    xq = nvfp4.quantize(x.astype(jnp.float32), global_scale=gx)
+    rq = rac.quantize_residual(x, gx, rac_ratio, rac_mode) if rac_ratio > 0 else None
     return xq, rq
+
+
+def quantize_activations(x, *, act_scale: str = "tensor") -> nvfp4.NVFP4Tensor:
+    """x [T, K] -> NVFP4Tensor (global scale [T, 1]), identical to ``nvfp4.quantize``."""
+    return quantize_activations_rac(x, act_scale=act_scale)[0]
+
+
+def default_order(k: int):
+    """The column order of a token operand quantized ahead of its GEMMs (``quantize_rows``):
+    the word decode's with 128-channel K tiles where K allows it (the grouped GEMM's tiles
+    below prefill sizes), else channel order."""
+    return ("words", 128) if k % 128 == 0 else ("plain", 16)
 
 
 def quantize_operand(x, *, rac_ratio: float = 0.0, order=("plain", 16), rows: int | None = None, backend=None,
@@ -366,8 +334,7 @@ def quantize_operand(x, *, rac_ratio: float = 0.0, order=("plain", 16), rows: in
     of q(x), or with ``rac_ratio > 0`` RAC's compensated ``dq(q(x)) + dq(q(r_sel))`` over gx
     (``rac.compensated_values``: summed in float32, rounded once to FP16), each channel in
     the column ``tile_math.operand_columns`` gives for ``order``; gx [T, 1] the global
-    scales. The same numbers as quantizing with ``quantize_rows`` and converting there, without
-    writing codes and reading them back (the GEMMs' operand reorder kernel)."""
+    scales. ``backend="xla"``: the same bits from ``quantize_activations_rac``'s codes."""
     _check_x(x)
     rac.check_rac(rac_ratio, "token")
     t, k = x.shape
@@ -375,22 +342,17 @@ def quantize_operand(x, *, rac_ratio: float = 0.0, order=("plain", 16), rows: in
     if rows < t:
         raise ValueError(f"rows={rows}: expected at least T={t}")
     cols = operand_columns(np.arange(k), order)  # also checks order
+    if config is not None:  # checked whatever path runs: the heuristic's own configs always fit
+        config.check(k)
     if resolve_backend(backend) == "xla":
-        xq, rq = quantize_activations_rac(x, rac_ratio=rac_ratio, act_scale="token", backend="xla")
+        xq, rq = quantize_activations_rac(x, rac_ratio=rac_ratio, act_scale="token")
         a = rac.token_operand(xq, rq)[:, np.argsort(cols)]
         return jnp.pad(a, ((0, rows - t), (0, 0))), xq.global_scale
-    cfg = config or quant_config(t, k)
-    cfg.check(k)
     interpret = interpret_mode()
     xin = jnp.pad(x, ((0, rows - t), (0, 0))) if interpret else x  # interpret mode clamps out-of-range loads
-    a, gx = _quant_call(xin, n_sel=rac.num_selected(rac_ratio, k // 16), cfg=cfg, interpret=interpret, emit=tuple(order),
-                        rows_out=rows)
+    a, gx = _quant_call(xin, n_sel=rac.num_selected(rac_ratio, k // 16), cfg=config or quant_config(t, k), interpret=interpret,
+                        order=tuple(order), rows=rows)
     return a, gx[:t]
-
-
-def quantize_activations(x, *, act_scale: str = "tensor", backend=None, config: QuantConfig | None = None) -> nvfp4.NVFP4Tensor:
-    """x [T, K] -> NVFP4Tensor (global scale [T, 1]), identical to ``nvfp4.quantize``."""
-    return quantize_activations_rac(x, act_scale=act_scale, backend=backend, config=config)[0]
 
 
 # ----------------------------------------------------------------------------- quantized rows
@@ -399,34 +361,41 @@ def quantize_activations(x, *, act_scale: str = "tensor", backend=None, config: 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QuantizedRows:
-    """Per-token quantized activations (and their RAC residual), computed once and used by
-    several GEMMs: the NVFP4 GEMMs take one in place of x. With per-token scales a row's
-    quantization does not depend on the other rows, so ``take`` (a row gather, e.g. the MoE
-    dispatch) commutes with quantization: quantize the T tokens, not their T x top-k copies."""
+    """Per-token quantized activations, computed once and used by several GEMMs: the FP16 token
+    operand ``a`` [T, K] in column ``order`` and the global scales ``gx`` [T, 1]
+    (``quantize_operand``). The NVFP4 GEMMs take one in place of x. With per-token scales a
+    row's quantization does not depend on the other rows, so ``take`` (a row gather, e.g. the
+    MoE dispatch) commutes with quantization: quantize the T tokens, not their T x top-k
+    copies."""
 
-    xq: nvfp4.NVFP4Tensor
-    rq: nvfp4.NVFP4Tensor | None
+    a: jax.Array
+    gx: jax.Array
     rac_ratio: float = dataclasses.field(metadata=dict(static=True))
-    rac_mode: str = dataclasses.field(metadata=dict(static=True))
+    order: tuple = dataclasses.field(metadata=dict(static=True))
 
     @property
     def shape(self):
-        return self.xq.shape
+        return self.a.shape
 
     @property
     def ndim(self):
         return 2
 
     def take(self, rows):
-        """The rows ``rows`` (an index array) of every operand."""
-        pick = lambda t: None if t is None else nvfp4.NVFP4Tensor(
-            codes=t.codes[rows], scales=t.scales[rows], global_scale=t.global_scale[rows], shape=(rows.shape[0], t.shape[1]), axis=1)
-        return QuantizedRows(pick(self.xq), pick(self.rq), self.rac_ratio, self.rac_mode)
+        """The rows ``rows`` (an index array)."""
+        return QuantizedRows(self.a[rows], self.gx[rows], self.rac_ratio, self.order)
+
+    def plain(self):
+        """The operand in channel order (the reference's product reads it so)."""
+        return self.a if self.order[0] == "plain" else self.a[:, operand_columns(np.arange(self.a.shape[1]), self.order)]
 
 
-def quantize_rows(x, *, rac_ratio: float = 0.0, rac_mode: str = "token", backend=None, config: QuantConfig | None = None) -> QuantizedRows:
-    """x [T, K] -> QuantizedRows with per-token global scales (the rollout's activations)."""
+def quantize_rows(x, *, rac_ratio: float = 0.0, rac_mode: str = "token", order=None, backend=None,
+                  config: QuantConfig | None = None) -> QuantizedRows:
+    """x [T, K] -> QuantizedRows (the rollout's activations, per-token scales), in ``order``
+    (default ``default_order(K)``)."""
     if rac_mode != "token":
         raise ValueError(f"rac_mode={rac_mode!r}: QuantizedRows needs the per-token selection ('token'), whose rows are independent")
-    xq, rq = quantize_activations_rac(x, rac_ratio=rac_ratio, rac_mode=rac_mode, act_scale="token", backend=backend, config=config)
-    return QuantizedRows(xq, rq, float(rac_ratio), rac_mode)
+    order = tuple(order or default_order(x.shape[-1]))
+    a, gx = quantize_operand(x, rac_ratio=rac_ratio, order=order, backend=backend, config=config)
+    return QuantizedRows(a, gx, float(rac_ratio), order)

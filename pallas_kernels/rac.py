@@ -26,12 +26,9 @@ How the GEMMs add the two products (``rac_sum``):
   exactly in ~99.5% of entries (heavy-tailed activations, rho 0.5 and 1); elsewhere the
   rounding is <= 2**-11 relative, ~100x below the residual's own quantization error and
   below the BF16 output's rounding (2**-9). BF16 could not: 6-14% of sums would round.
-- ``"exact"``: the two products accumulated in FP32 (the Pallas GEMM stacks each token's
-  residual row next to its activation row: one MMA of twice the tokens), a native NVFP4
-  GEMM's numerics up to accumulation order.
-
-Both backends compute the same numbers for either choice (``compensated_values`` is
-shared).
+- ``"exact"``: the two products accumulated in FP32, a native NVFP4 GEMM's numerics up to
+  accumulation order (what the SGLang plugin computes); the XLA reference's, for parity
+  checks.
 """
 
 from __future__ import annotations

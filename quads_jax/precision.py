@@ -265,12 +265,12 @@ def _dot_nt_bwd(res, g):
 _dot_nt.defvjp(_dot_nt_fwd, _dot_nt_bwd)
 
 
-def quantize_rows_for(x, w, mode: str, *, rac_ratio: float = 0.0, backend=None):
+def quantize_rows_for(x, w, mode: str, *, rac_ratio: float = 0.0, rac_sum: str = "fp16", backend=None):
     """x [T, K] quantized once (``pk.QuantizedRows``) for the GEMMs with weight ``w`` (or
     weights quantized like it) in ``mode``: what ``linear`` / ``grouped_linear`` would
     compute, shared by several weights or gathered by rows (the MoE dispatch). Other modes
-    and weights get x back unchanged."""
-    if isinstance(w, nvfp4.NVFP4Tensor) and mode == "w4a4":
+    and weights, and RAC summed exactly (QuantizedRows hold the FP16 sum), get x back."""
+    if isinstance(w, nvfp4.NVFP4Tensor) and mode == "w4a4" and not (rac_ratio > 0 and rac_sum == "exact"):
         return pk.quantize_rows(x.astype(jnp.bfloat16), rac_ratio=rac_ratio, backend=backend)
     return x
 

@@ -24,25 +24,28 @@ def rng(request):
     return np.random.default_rng(abs(hash(request.node.name)) % 2**32)
 
 
+def assert_operand_equal(x, rho, config=None, order=("plain", 16), rows=None):
+    """The Pallas quantizer's FP16 operand and global scales are the XLA reference's bits."""
+    a, ga = pk.quantize_operand(x, rac_ratio=rho, order=order, rows=rows, backend="xla")
+    b, gb = pk.quantize_operand(x, rac_ratio=rho, order=order, rows=rows, backend="pallas", config=config)
+    np.testing.assert_array_equal(np.asarray(a).view(np.uint16), np.asarray(b).view(np.uint16), err_msg=f"{config} {order}")
+    np.testing.assert_array_equal(np.asarray(ga).view(np.uint32), np.asarray(gb).view(np.uint32))
+    return b, gb
+
+
 @pytest.mark.parametrize("act_scale", ["tensor", "token"])
-def test_quantizer_pallas_equals_xla_and_nvfp4(rng, act_scale):
+def test_quantizer_reference_is_nvfp4_quantize(rng, act_scale):
     x = jnp.asarray(heavy(rng, (37, 256))).astype(jnp.bfloat16)
-    a = pk.quantize_activations(x, act_scale=act_scale, backend="xla")
-    b = pk.quantize_activations(x, act_scale=act_scale, backend="pallas")
-    np.testing.assert_array_equal(np.asarray(a.codes), np.asarray(b.codes))
-    np.testing.assert_array_equal(np.asarray(a.scales).view(np.uint8), np.asarray(b.scales).view(np.uint8))
+    a = pk.quantize_activations(x, act_scale=act_scale)
     ref = nvfp4.quantize(x.astype(jnp.float32), keep_axes=(0,) if act_scale == "token" else ())
     np.testing.assert_array_equal(np.asarray(a.codes), np.asarray(ref.codes))
+    np.testing.assert_array_equal(np.asarray(a.scales).view(np.uint8), np.asarray(ref.scales).view(np.uint8))
 
 
-@pytest.mark.parametrize("rho,mode", [(0.125, "token"), (0.5, "token"), (1.0, "token"), (0.25, "tensor"), (0.5, "channel")])
-def test_rac_quantizer_pallas_equals_xla(rng, rho, mode):
+@pytest.mark.parametrize("rho", [0.0, 0.125, 0.5, 1.0])
+def test_rac_quantizer_pallas_equals_xla(rng, rho):
     x = jnp.asarray(heavy(rng, (20, 512))).astype(jnp.bfloat16)
-    xa, ra = pk.quantize_activations_rac(x, rac_ratio=rho, rac_mode=mode, backend="xla")
-    xb, rb = pk.quantize_activations_rac(x, rac_ratio=rho, rac_mode=mode, backend="pallas")
-    np.testing.assert_array_equal(np.asarray(xa.codes), np.asarray(xb.codes))
-    np.testing.assert_array_equal(np.asarray(ra.codes), np.asarray(rb.codes))
-    np.testing.assert_array_equal(np.asarray(ra.scales).view(np.uint8), np.asarray(rb.scales).view(np.uint8))
+    assert_operand_equal(x, rho)
 
 
 def test_rac_selects_the_largest_residual_blocks(rng):
@@ -75,11 +78,11 @@ def test_gemm_w4a16_and_rho_semantics(rng):
     xf = x.astype(jnp.float32)
     exact = np.asarray(xf @ wf.T)
     # rho = 0 is the plain W4A4 product
-    xq = nvfp4.dequantize(pk.quantize_activations(x, act_scale="tensor", backend="xla"))
+    xq = nvfp4.dequantize(pk.quantize_activations(x, act_scale="tensor"))
     np.testing.assert_allclose(pk.nvfp4_matmul(x, w, backend="pallas", out_dtype=jnp.float32), xq @ wd.T, rtol=2e-5, atol=2e-4)
     # rho = 1 is (dq(q(x)) + dq(q(r))) @ dq(w).T: exactly so with rac_sum="exact"; with the
     # default FP16 sum, within FP16's unit roundoff (2**-11) of each compensated activation
-    xq1, rq1 = pk.quantize_activations_rac(x, rac_ratio=1.0, backend="xla")
+    xq1, rq1 = pk.quantize_activations_rac(x, rac_ratio=1.0)
     comp = nvfp4.dequantize(xq1) + nvfp4.dequantize(rq1)
     ref1 = comp @ wd.T
     got = {s: pk.nvfp4_matmul(x, w, rac_ratio=1.0, rac_sum=s, backend="pallas", out_dtype=jnp.float32) for s in pk.RAC_SUMS}
@@ -347,7 +350,7 @@ def test_prefill_path_dequant_equals_xla_and_is_the_large_t_default(rng):
         assert rel(b, a) < 1e-6, kw
     wg = nvfp4.quantize(jnp.ones((2, 32, 256)), keep_axes=(0,))
     with pytest.raises(ValueError, match="path"):
-        pk.nvfp4_grouped_matmul(x, wg, jnp.asarray([20, 20]), backend="pallas", config=cfg)
+        pk.nvfp4_grouped_matmul(x, wg, jnp.asarray([20, 20]), act_scale="token", backend="pallas", config=cfg)
 
 
 def test_quantized_rows_gathered_equal_quantizing_the_gathered_rows(rng):
@@ -391,24 +394,20 @@ def test_gemm_config_rejects_bad_values():
 
 @pytest.mark.parametrize("rho", [0.0, 0.5])
 def test_quantizer_per_token_scales_equal_xla(rng, rho):
-    """The kernel's per-token global scales (an all-zero token gets 1.0) and codes equal the
-    reference's bits. A per-tensor scale and the tensor / channel selections run the
-    reference itself: no kernel in their program."""
+    """The kernel's per-token global scales (an all-zero token gets 1.0) and operand equal the
+    reference's bits. The GEMMs run the kernels only in the rollout's regime: a per-tensor
+    scale, the tensor / channel selections and the exact RAC sum run the reference, with no
+    kernel in their program."""
     x = jnp.asarray(heavy(rng, (37, 512))).astype(jnp.bfloat16).at[3].set(0.0)
-    cfg = pk.QuantConfig(chunk=128)
-    xa, ra = pk.quantize_activations_rac(x, rac_ratio=rho, act_scale="token", backend="xla")
-    xb, rb = pk.quantize_activations_rac(x, rac_ratio=rho, act_scale="token", backend="pallas", config=cfg)
-    np.testing.assert_array_equal(np.asarray(xa.global_scale).view(np.uint32), np.asarray(xb.global_scale).view(np.uint32))
-    assert float(xb.global_scale[3, 0]) == 1.0
-    np.testing.assert_array_equal(np.asarray(xa.codes), np.asarray(xb.codes))
-    np.testing.assert_array_equal(np.asarray(xa.scales).view(np.uint8), np.asarray(xb.scales).view(np.uint8))
-    if rho:
-        np.testing.assert_array_equal(np.asarray(ra.codes), np.asarray(rb.codes))
-        np.testing.assert_array_equal(np.asarray(ra.global_scale), np.asarray(rb.global_scale))
-    kernels = lambda **kw: str(jax.make_jaxpr(lambda v: pk.quantize_activations_rac(v, backend="pallas", **kw))(x)).count("pallas_call")
-    assert kernels(rac_ratio=rho, act_scale="token") == 1
+    _, gx = assert_operand_equal(x, rho, pk.QuantConfig(chunk=128))
+    assert float(gx[3, 0]) == 1.0
+    w = nvfp4.quantize(jnp.asarray(rng.standard_normal((64, 512)).astype(np.float32)))
+    kernels = lambda **kw: str(jax.make_jaxpr(lambda v: pk.nvfp4_matmul(v, w, backend="pallas", **kw))(x)).count("pallas_call")
+    assert kernels(rac_ratio=rho, act_scale="token") == 2  # the quantizer and the GEMM
     assert kernels(rac_ratio=rho, act_scale="tensor") == 0
     assert kernels(rac_ratio=0.5, rac_mode="channel", act_scale="token") == 0
+    assert kernels(rac_ratio=0.5, rac_sum="exact", act_scale="token") == 0
+    assert kernels(mode="w4a16") == 1
 
 
 def test_quant_config_is_checked(rng):
@@ -419,12 +418,13 @@ def test_quant_config_is_checked(rng):
     with pytest.raises(ValueError, match="parts=3"):
         pk.QuantConfig(parts=3)
     x = jnp.asarray(rng.standard_normal((4, 192)), jnp.bfloat16)
-    with pytest.raises(ValueError, match="chunk=128 must divide K=192"):
-        pk.quantize_activations(x, act_scale="token", backend="pallas", config=pk.QuantConfig(chunk=128))
+    for backend in ("pallas", "xla"):  # a config given is checked whatever path runs
+        with pytest.raises(ValueError, match="chunk=128 must divide K=192"):
+            pk.quantize_operand(x, backend=backend, config=pk.QuantConfig(chunk=128))
     with pytest.raises(ValueError, match="parts=8 must divide K=192"):
-        pk.quantize_activations(x, act_scale="token", backend="pallas", config=pk.QuantConfig(chunk=16, parts=8))
+        pk.quantize_operand(x, backend="pallas", config=pk.QuantConfig(chunk=16, parts=8))
     with pytest.raises(ValueError, match="chunk=64 must divide K=192 / parts=4"):
-        pk.quantize_activations(x, act_scale="token", backend="pallas", config=pk.QuantConfig(chunk=64, parts=4))
+        pk.quantize_operand(x, backend="pallas", config=pk.QuantConfig(chunk=64, parts=4))
 
 
 def test_quantizer_row_split_is_bit_identical(rng):
@@ -436,14 +436,8 @@ def test_quantizer_row_split_is_bit_identical(rng):
     blocks[2, 6:10] = blocks[2, 0]  # a tie spanning parts (16-channel blocks 6..9 cross channel 128)
     x = jnp.asarray(blocks.reshape(11, 512)).astype(jnp.bfloat16).at[4].set(0.0)  # and an all-zero token
     for rho in (0.0, 0.25):
-        xa, ra = pk.quantize_activations_rac(x, rac_ratio=rho, act_scale="token", backend="xla")
         for parts, chunk, select in ((2, 128, "rank"), (4, 64, "bisect"), (2, 64, "radix"), (8, 64, "auto")):
-            cfg = pk.QuantConfig(chunk=chunk, parts=parts, select=select)
-            xb, rb = pk.quantize_activations_rac(x, rac_ratio=rho, act_scale="token", backend="pallas", config=cfg)
-            for a, b in ((xa, xb), (ra, rb)) if rho else ((xa, xb),):
-                np.testing.assert_array_equal(np.asarray(a.codes), np.asarray(b.codes), err_msg=f"{cfg}")
-                np.testing.assert_array_equal(np.asarray(a.scales).view(np.uint8), np.asarray(b.scales).view(np.uint8))
-                np.testing.assert_array_equal(np.asarray(a.global_scale).view(np.uint32), np.asarray(b.global_scale).view(np.uint32))
+            assert_operand_equal(x, rho, pk.QuantConfig(chunk=chunk, parts=parts, select=select), order=("words", 128))
 
 
 def test_quant_config_splits_rows_at_decode_sizes():
@@ -468,11 +462,9 @@ def test_rac_selections_equal_xla_with_ties(rng, select):
     x = jnp.asarray(blocks.reshape(9, 512)).astype(jnp.bfloat16)
     cfg = pk.QuantConfig(chunk=128, select=select)  # four chunks a row: the counts span chunks
     for rho in (0.125, 0.5):
-        xa, ra = pk.quantize_activations_rac(x, rac_ratio=rho, act_scale="token", backend="xla")
-        xb, rb = pk.quantize_activations_rac(x, rac_ratio=rho, act_scale="token", backend="pallas", config=cfg)
-        np.testing.assert_array_equal(np.asarray(ra.codes), np.asarray(rb.codes))
-        np.testing.assert_array_equal(np.asarray(ra.scales).view(np.uint8), np.asarray(rb.scales).view(np.uint8))
-        codes = np.asarray(rb.codes).reshape(9, 32, 8)
+        assert_operand_equal(x, rho, cfg)
+        _, rq = pk.quantize_activations_rac(x, rac_ratio=rho, act_scale="token")
+        codes = np.asarray(rq.codes).reshape(9, 32, 8)
         assert (codes[1] != 0).any(axis=1).all()  # all tie: every block selected (more than the fraction)
         assert (codes[0] != 0).any(axis=1).sum() == rac.num_selected(rho, 32)  # no ties: exactly the fraction
 
@@ -523,7 +515,7 @@ def test_quantizer_writes_the_gemm_operand_bit_identical(rng, rho):
     from pallas_kernels.tile_math import operand_columns
 
     x = jnp.asarray(heavy(rng, (13, 512))).astype(jnp.bfloat16).at[5].set(0.0)
-    xq, rq = pk.quantize_activations_rac(x, rac_ratio=rho, act_scale="token", backend="xla")
+    xq, rq = pk.quantize_activations_rac(x, rac_ratio=rho, act_scale="token")
     plain = np.asarray(rac.token_operand(xq, rq if rho else None)).view(np.uint16)
     for order, rows, cfg in ((("plain", 16), 13, None), (("words", 128), 13, pk.QuantConfig(chunk=128, parts=2)),
                              (("words", 256), 16, pk.QuantConfig(chunk=64, parts=4))):
@@ -539,10 +531,10 @@ def test_quantizer_writes_the_gemm_operand_bit_identical(rng, rho):
 
 
 @pytest.mark.parametrize("t,rho", [(1, 0.5), (19, 0.0)])
-def test_gemm_operand_from_the_quantizer_equals_the_codes_path(rng, t, rho):
-    """With BF16 activations, per-token scales and the FP16 RAC sum, the GEMM takes its token
-    operand from the quantizer (word and byte decodes): the same output bits as the codes path
-    (rows quantized beforehand, decoded in the GEMM), and the XLA backend's numbers."""
+def test_gemm_takes_rows_quantized_ahead_in_either_order(rng, t, rho):
+    """QuantizedRows (the operand written ahead of the GEMM, in the word or the channel order)
+    give the same output bits as quantizing inside the GEMM with the decode that reads that
+    order (word and bit decodes), and the XLA backend's numbers."""
     import dataclasses
     import importlib
 
@@ -551,17 +543,16 @@ def test_gemm_operand_from_the_quantizer_equals_the_codes_path(rng, t, rho):
     w = [nvfp4.quantize(jnp.asarray(rng.standard_normal((n, 512)).astype(np.float32))) for n in (128, 64)]
     base = pk.gemm_config(t, 192, 512)
     ref = pk.nvfp4_matmul(x, w, rac_ratio=rho, act_scale="token", backend="xla", out_dtype=jnp.float32)
-    rows = pk.quantize_rows(x, rac_ratio=rho, backend="pallas")
-    for cfg in (base, dataclasses.replace(base, decode="bits", block_k=64)):
-        assert NM.operand_order(x, cfg, mode="w4a4", rac_mode="token", act_scale="token") is not None
-        call = lambda a: pk.nvfp4_matmul(a, w, rac_ratio=rho, act_scale="token", backend="pallas", config=cfg, out_dtype=jnp.float32)
-        got, codes_path = call(x), call(rows)
-        for g, c, r in zip(got, codes_path, ref):
-            np.testing.assert_array_equal(np.asarray(g), np.asarray(c), err_msg=f"{cfg}")
-            assert rel(g, r) < 1e-5
-    # where the GEMM needs codes or rows quantized beforehand, the quantizer writes codes
-    assert NM.operand_order(rows, base, mode="w4a4", rac_mode="token", act_scale="token") is None
-    assert NM.operand_order(x, base, mode="w4a4", rac_mode="token", act_scale="tensor") is None
-    # RAC summed exactly (the SGLang plugin's numerics) leaves the fused kernel for the dequantized dot
-    assert not NM.fuses_residual("w4a4", 0.5, "exact") and NM.fuses_residual("w4a4", 0.0, "exact")
-    assert NM.fuses_residual("w4a4", 0.5, "fp16") and NM.fuses_residual("w4a16", 0.0, "exact")
+    bits = dataclasses.replace(base, decode="bits", block_k=64)
+    for cfg in (base, bits):
+        rows = pk.quantize_rows(x, rac_ratio=rho, order=NM.operand_order(cfg), backend="pallas")
+        want = pk.nvfp4_matmul(x, w, rac_ratio=rho, act_scale="token", backend="pallas", config=cfg, out_dtype=jnp.float32)
+        for given in (base, bits):  # the GEMM's config follows the rows' order
+            got = pk.nvfp4_matmul(rows, w, rac_ratio=rho, act_scale="token", backend="pallas", config=given, out_dtype=jnp.float32)
+            for g, c, r in zip(got, want, ref):
+                np.testing.assert_array_equal(np.asarray(g), np.asarray(c), err_msg=f"{cfg} {given}")
+                assert rel(g, r) < 1e-5
+    with pytest.raises(ValueError, match="QuantizedRows in order"):
+        NM.following(dataclasses.replace(base, split_k=8), ("words", 128), 512)
+    with pytest.raises(ValueError, match="rac_sum"):  # rows hold the FP16 sum
+        pk.nvfp4_matmul(pk.quantize_rows(x, rac_ratio=0.5, backend="xla"), w, rac_ratio=0.5, rac_sum="exact", act_scale="token")

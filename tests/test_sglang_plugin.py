@@ -48,7 +48,7 @@ def test_torch_activation_codes_equal_jax_quantizer():
 
     rng = np.random.default_rng(5)
     xb, xt = _act(rng, 64, 512)
-    xq, rq = quantize_activations_rac(xb, rac_ratio=0.5, act_scale="token", backend="xla")
+    xq, rq = quantize_activations_rac(xb, rac_ratio=0.5, act_scale="token")
     (xv, gx), (rv, gr) = N.rac_operands(xt, 0.5)
     np.testing.assert_array_equal(xv.numpy(), np.asarray(F.block_values(xq)))
     np.testing.assert_array_equal(rv.numpy(), np.asarray(F.block_values(rq)))
@@ -186,7 +186,7 @@ w = torch.from_numpy(np.array(m["weight"]))
 s = torch.from_numpy(np.array(m["weight_scale"]).view(np.uint8)).view(torch.float8_e4m3fn)
 gw = float(np.asarray(m["weight_scale_2"]).reshape(()))
 # the packed operands are the JAX quantizer's bits
-xq, rq = quantize_activations_rac(xb, rac_ratio=0.5, act_scale="token", backend="xla")
+xq, rq = quantize_activations_rac(xb, rac_ratio=0.5, act_scale="token")
 (xc, xs, gx), (rc, rs, gr) = N.packed_operands(xt, 0.5)
 out["codes_equal"] = bool(np.array_equal(xc.numpy(), np.asarray(xq.codes)) and np.array_equal(rc.numpy(), np.asarray(rq.codes)))
 out["scales_equal"] = bool(np.array_equal(xs.numpy(), np.asarray(xq.scales).view(np.uint8))

@@ -85,7 +85,8 @@ def moe_ffn(x, ids, weights, w_gate, w_up, w_down, prec, dtype):
     order, token, group_sizes = sort_by_expert(ids, n_experts)
     # NVFP4 rollouts quantize the N tokens once (per-token scales), not their N x k copies,
     # and the gate and up GEMMs share that: the same numbers as quantizing the sorted rows
-    xin = P.quantize_rows_for(x, w_gate, prec.mode("experts"), rac_ratio=prec.rac_ratio, backend=prec.backend)
+    xin = P.quantize_rows_for(x, w_gate, prec.mode("experts"), rac_ratio=prec.rac_ratio, rac_sum=prec.rac_sum,
+                              backend=prec.backend)
     if isinstance(xin, jax.Array):
         xs = jnp.repeat(xin, k, axis=0).at[order].get(unique_indices=True)  # == xin[token]
     else:
