@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import sys
 import time
 from typing import Any, Callable
@@ -77,9 +78,8 @@ def _nbytes(*trees) -> float:
 
 def quant_cases(tiny: bool):
     """The rollout's activation quantizer (``quantize_operand``: BF16 x -> the GEMMs' FP16 token
-    operand in the word decode's channel order, per-token scales, RAC) at the rollout's shapes:
-    the heuristic's config and one program a row, with each RAC selection, against the XLA
-    reference's bits."""
+    operand in the word decode's channel order, per-token scales, RAC) at the rollout's shapes,
+    in three layouts and with each RAC selection, against the XLA reference's bits."""
     import jax.numpy as jnp
 
     import pallas_kernels as pk
@@ -88,18 +88,18 @@ def quant_cases(tiny: bool):
     for t, k in ((8, 256),) if tiny else ((256, 1024), (256, 2048), (64, 1024), (2048, 512)):
         # heavy-tailed channels, as activations are: per-channel magnitudes spread over e^(+-2)
         x = jnp.asarray(rng.standard_normal((t, k)) * np.exp(rng.standard_normal(k)), jnp.bfloat16)
-        cfgs = {"default": pk.quant_config(t, k), "one_row": pk.quant_config(t, k, split=False)}
+        cfgs = {layout: pk.quant_config(t, k, layout=layout) for layout in ("auto", "one_row", "warp_row")}
         order = pk.default_order(k)
         for rho in (0.0, 0.5):
             ref = lambda v, rho=rho: pk.quantize_operand(v, rac_ratio=rho, order=order, backend="xla")
             shape = f"T{t} K{k} rho{rho}"
             nbytes = t * k * 4  # read BF16, write FP16
             for name, cfg in cfgs.items():
-                for select in ("auto",) if rho == 0 else ("auto", "rank", "bisect", "radix"):
+                for select in ("auto", "bisect", "radix") if rho and name != "one_row" else ("auto",):  # auto: rank here
                     c = dataclasses.replace(cfg, select=select)
                     fn = lambda v, c=c, rho=rho: pk.quantize_operand(v, rac_ratio=rho, order=order, backend="pallas", config=c)
                     cases.append(Case("quant", shape, "operand", f"pallas {name} {select}", fn, (x,), ref=ref, exact=True,
-                                      bytes=nbytes, kept=name == "default" and select == "auto"))
+                                      bytes=nbytes, kept=name == "auto" and select == "auto"))
             cases.append(Case("quant", shape, "operand", "xla", ref, (x,), bytes=nbytes))
     return cases
 
@@ -362,6 +362,7 @@ def main():
     ap.add_argument("--regimes", default=",".join(REGIMES), help=f"comma-separated, among {','.join(REGIMES)}")
     ap.add_argument("--budget", type=float, default=1e9, help="seconds: no case starts after this")
     ap.add_argument("--tiny", action="store_true", help="small sizes: checks the harness on a CPU")
+    ap.add_argument("--match", default="", help="a regular expression: only cases whose 'shape | op | implementation' it finds run")
     a = ap.parse_args()
     unknown = set(a.regimes.split(",")) - set(REGIMES)
     if unknown:
@@ -378,7 +379,7 @@ def main():
             res.data["errors"][regime] = f"{type(e).__name__}: {e}"[:600]
             continue
         refs: dict = {}
-        for c in cases:
+        for c in [c for c in cases if re.search(a.match, f"{c.shape} | {c.op} | {c.impl}")]:
             if time.time() > t_end:
                 rows.append({"shape": c.shape, "op": c.op, "impl": c.impl, "error": "skipped: time budget"})
                 continue

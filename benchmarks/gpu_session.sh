@@ -3,7 +3,7 @@
 # own time cap, and what a stage measured survives a later one's failure. STAGES picks the
 # stages and their order:
 #   gpu_tests      pytest -m gpu: every compiled kernel against its XLA reference (GPU_TESTS_K: a -k expression)
-#   kernels        benchmarks/bench_kernels.py: the kernel registry, checked then timed (KERNEL_REGIMES)
+#   kernels        benchmarks/bench_kernels.py: the kernel registry, checked then timed (KERNEL_REGIMES, KERNEL_MATCH)
 #   rollout_scale  benchmarks/bench_rollout.py: decode steps through the engine vs their byte limit (ROLLOUT_SCALE_ARGS)
 #   train          benchmarks/bench_train.py: the train step per config (TRAIN_ARGS)
 #   rollout        benchmarks/bench_model.py: output tok/s, 256 prompts x 512 new tokens, batch 64, every recipe
@@ -33,7 +33,8 @@ run_stage() {
     gpu_tests) stage "${GPU_TESTS_CAP:-150}" gpu_tests python3 -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider \
                  ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} ;;
     kernels) stage "${KERNELS_CAP:-240}" kernels python3 benchmarks/bench_kernels.py --out "$o/kernels" \
-               --regimes "${KERNEL_REGIMES:-quant,dense,grouped,train_grouped,attention}" --budget $(( ${KERNELS_CAP:-240} - 20 )) ;;
+               --regimes "${KERNEL_REGIMES:-quant,dense,grouped,train_grouped,attention}" --budget $(( ${KERNELS_CAP:-240} - 20 )) \
+               --match "${KERNEL_MATCH:-}" ;;
     rollout_scale) stage "${ROLLOUT_SCALE_CAP:-330}" rollout_scale python3 benchmarks/bench_rollout.py --out "$o/rollout_scale" \
                      --budget $(( ${ROLLOUT_SCALE_CAP:-330} - 30 )) ${ROLLOUT_SCALE_ARGS:-} ;;
     train) stage "${TRAIN_CAP:-330}" train python3 benchmarks/bench_train.py --out "$o/train" --budget $(( ${TRAIN_CAP:-330} - 90 )) ${TRAIN_ARGS:-} ;;

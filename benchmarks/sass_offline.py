@@ -139,7 +139,8 @@ def cases(override=None):
 def quant_cases(shapes=((16, 4096), (64, 4096), (256, 1024), (2048, 512)), selects=("auto",)):
     """(name, lower(), QuantConfig) of the activation quantizer (per-token scales, the FP16
     GEMM operand in the word-part order) at rollout sizes, RAC 0 and 0.5: the heuristic's
-    config and one program per row (parts=1), with each RAC selection of ``selects``."""
+    config, one program per row (parts=1) and one warp per row, with each RAC selection of
+    ``selects``."""
     import dataclasses as dc
 
     import jax
@@ -151,7 +152,8 @@ def quant_cases(shapes=((16, 4096), (64, 4096), (256, 1024), (2048, 512)), selec
         x = jnp.ones((t, k), jnp.bfloat16)
         for rho in (0.0, 0.5):
             n_sel = QA.rac.num_selected(rho, k // 16)
-            for layout, base in (("default", QA.quant_config(t, k)), ("one_row", QA.quant_config(t, k, split=False))):
+            for layout in ("auto", "one_row", "warp_row"):
+                base = QA.quant_config(t, k, layout=layout)
                 for select in selects if rho else ("auto",):
                     cfg = dc.replace(base, select=select)
                     fn = lambda cfg=cfg, n_sel=n_sel, x=x: jax.jit(

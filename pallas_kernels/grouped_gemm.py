@@ -148,7 +148,7 @@ def nvfp4_grouped_matmul_xla(x, w, group_sizes, *, rac_ratio=0.0, rac_mode="toke
     return outs if many else outs[0]
 
 
-def nvfp4_grouped_matmul(x, w, group_sizes, *, rac_ratio=0.0, rac_mode="token", rac_sum="fp16", act_scale="tensor", mode="w4a4", backend=None, out_dtype=jnp.bfloat16, config: GemmConfig | None = None):
+def nvfp4_grouped_matmul(x, w, group_sizes, *, rac_ratio=0.0, rac_mode="token", rac_sum="fp16", act_scale="tensor", mode="w4a4", backend=None, out_dtype=jnp.bfloat16, config: GemmConfig | None = None, quant_config=None):
     """Per-expert x_e @ W_e.T for rows sorted by expert; see the module docstring. ``w`` may be
     a sequence of expert weights with the same E and K (gate and up): one launch, a tuple of
     outputs. ``x`` may be QuantizedRows (the MoE dispatch gathers the T tokens' rows). The
@@ -168,7 +168,7 @@ def nvfp4_grouped_matmul(x, w, group_sizes, *, rac_ratio=0.0, rac_mode="token", 
                          "(backend='xla' runs lax.ragged_dot on the decoded values)")
     if isinstance(x, QuantizedRows):
         cfg = following(cfg, x.order, k)
-    a, gx = token_operand(x, cfg, mode=mode, rac_ratio=rac_ratio, quant_config=None)
+    a, gx = token_operand(x, cfg, mode=mode, rac_ratio=rac_ratio, quant_config=quant_config)
     outs = _grouped_call(a, gx, tuple(wi.codes for wi in ws), tuple(_bits(wi.scales) for wi in ws),
                          tuple(_per_expert_gw(wi) for wi in ws), group_sizes, cfg=cfg, out_dtype=out_dtype,
                          interpret=interpret_mode())

@@ -37,7 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from quads_jax import nvfp4
-from pallas_kernels.config import interpret_mode, resolve_backend
+from pallas_kernels.config import QUANT_LAYOUTS, interpret_mode, resolve_backend
 from pallas_kernels.tiling import device_sms
 from pallas_kernels import rac
 from pallas_kernels.tile_math import kernel_arith, load_even_odd, operand_columns
@@ -82,19 +82,24 @@ SELECTS = ("auto", "rank", "bisect", "radix")
 MIN_PART = 256  # channels a program owns at the least (one 16-block of RAC selection work a warp)
 
 
-def quant_config(t: int, k: int, num_sms: int | None = None, split: bool = True) -> QuantConfig:
-    """Rows of K >= 512 channels take at least two programs each (``parts``), and decode sizes
-    (few tokens) split further until about one wave runs (T=16: 8 parts, T=64: 2); 1024
-    tokens and more take two rows a program. ``split=False``: one program per row at any size
-    (the layout the benchmarks keep as a baseline).
+def quant_config(t: int, k: int, num_sms: int | None = None, layout: str = "auto") -> QuantConfig:
+    """The quantizer's layout for T rows of K channels. ``layout``:
 
-    Two parts at any T because one program a row measured slow at every rollout size, with or
-    without RAC (benchmarks/results/2026-12-05-h100-rollout-scale)."""
+    - "auto": rows of K >= 512 channels take at least two programs each (``parts``), and
+      decode sizes (few tokens) split further until about one wave runs (T=16: 8 parts,
+      T=64: 2); 1024 tokens and more take two rows a program. Two parts at any T because one
+      program a row measured slow at every rollout size, with or without RAC
+      (benchmarks/results/2026-12-05-h100-rollout-scale).
+    - "one_row": one program (of 4 or 8 warps) a row at any size.
+    - "warp_row": one program of one warp a row: the row-wide reductions (amax, RAC's
+      energies and selection) are warp shuffles, with no barrier."""
+    if layout not in QUANT_LAYOUTS:
+        raise ValueError(f"layout={layout!r}: expected one of {QUANT_LAYOUTS}")
     num_sms = num_sms or device_sms()
-    block_rows = 1 if t < 1024 else 2
+    block_rows = 1 if t < 1024 or layout != "auto" else 2
     programs = -(-t // block_rows)
     parts = 1
-    while split and k % (parts * 2 * MIN_PART) == 0 and (parts == 1 or programs * parts * 2 <= num_sms):
+    while layout == "auto" and k % (parts * 2 * MIN_PART) == 0 and (parts == 1 or programs * parts * 2 <= num_sms):
         parts *= 2
     chunk = 1024
     while (k // parts) % chunk:
@@ -103,7 +108,8 @@ def quant_config(t: int, k: int, num_sms: int | None = None, split: bool = True)
     # of T=16, K=4096, RAC 0.5 (benchmarks/results/2026-12-05-offline-sass-quant): 8 parts of
     # 512-channel chunks on 8 warps issue 3568 warp instructions per scheduler, one program a
     # row 7216 (each program issues fewer; the rows' other channels are loaded, not stored)
-    return QuantConfig(block_rows=block_rows, chunk=chunk, num_warps=8 if chunk >= 512 else 4, parts=parts)
+    warps = 1 if layout == "warp_row" else 8 if chunk >= 512 else 4
+    return QuantConfig(block_rows=block_rows, chunk=chunk, num_warps=warps, parts=parts)
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -326,7 +332,7 @@ def default_order(k: int):
 
 
 def quantize_operand(x, *, rac_ratio: float = 0.0, order=("plain", 16), rows: int | None = None, backend=None,
-                     config: QuantConfig | None = None):
+                     config: QuantConfig | str | None = None):
     """x [T, K] -> (a, gx): the FP16 token operand of the NVFP4 GEMMs straight from BF16
     activations, per-token scales and RAC's per-token selection, in one kernel.
 
@@ -334,7 +340,8 @@ def quantize_operand(x, *, rac_ratio: float = 0.0, order=("plain", 16), rows: in
     of q(x), or with ``rac_ratio > 0`` RAC's compensated ``dq(q(x)) + dq(q(r_sel))`` over gx
     (``rac.compensated_values``: summed in float32, rounded once to FP16), each channel in
     the column ``tile_math.operand_columns`` gives for ``order``; gx [T, 1] the global
-    scales. ``backend="xla"``: the same bits from ``quantize_activations_rac``'s codes."""
+    scales. ``config``: a QuantConfig, or a layout name for ``quant_config`` (None: "auto").
+    ``backend="xla"``: the same bits from ``quantize_activations_rac``'s codes."""
     _check_x(x)
     rac.check_rac(rac_ratio, "token")
     t, k = x.shape
@@ -342,15 +349,15 @@ def quantize_operand(x, *, rac_ratio: float = 0.0, order=("plain", 16), rows: in
     if rows < t:
         raise ValueError(f"rows={rows}: expected at least T={t}")
     cols = operand_columns(np.arange(k), order)  # also checks order
-    if config is not None:  # checked whatever path runs: the heuristic's own configs always fit
-        config.check(k)
+    config = quant_config(t, k, layout=config or "auto") if config is None or isinstance(config, str) else config
+    config.check(k)  # checked whatever path runs
     if resolve_backend(backend) == "xla":
         xq, rq = quantize_activations_rac(x, rac_ratio=rac_ratio, act_scale="token")
         a = rac.token_operand(xq, rq)[:, np.argsort(cols)]
         return jnp.pad(a, ((0, rows - t), (0, 0))), xq.global_scale
     interpret = interpret_mode()
     xin = jnp.pad(x, ((0, rows - t), (0, 0))) if interpret else x  # interpret mode clamps out-of-range loads
-    a, gx = _quant_call(xin, n_sel=rac.num_selected(rac_ratio, k // 16), cfg=config or quant_config(t, k), interpret=interpret,
+    a, gx = _quant_call(xin, n_sel=rac.num_selected(rac_ratio, k // 16), cfg=config, interpret=interpret,
                         order=tuple(order), rows=rows)
     return a, gx[:t]
 
@@ -391,7 +398,7 @@ class QuantizedRows:
 
 
 def quantize_rows(x, *, rac_ratio: float = 0.0, rac_mode: str = "token", order=None, backend=None,
-                  config: QuantConfig | None = None) -> QuantizedRows:
+                  config: QuantConfig | str | None = None) -> QuantizedRows:
     """x [T, K] -> QuantizedRows (the rollout's activations, per-token scales), in ``order``
     (default ``default_order(K)``)."""
     if rac_mode != "token":

@@ -113,18 +113,18 @@ def test_one_launch_over_weights_sharing_an_input_equals_xla():
 
 
 @pytest.mark.parametrize("t,k", [(16, 2048), (64, 2048), (256, 1024), (2048, 512)])
-@pytest.mark.parametrize("layout", ["default", "one_row"])
+@pytest.mark.parametrize("layout", ["auto", "one_row", "warp_row"])
 def test_per_token_quantizer_is_bit_identical_to_xla(t, k, layout):
     """The rollout's quantizer (per-token scales computed in the kernel, RAC 0 and 0.5, each
     selection; the FP16 operand in the word order) at the rollout's sizes, in the default
-    layout and in one program a row."""
+    layout, in one program a row and in one warp a row."""
     import dataclasses
 
     from pallas_kernels.quantizer import quant_config
 
     rng = np.random.default_rng()
     x = jnp.asarray(rng.standard_normal((t, k)) * np.exp(rng.standard_normal((1, k))), jnp.bfloat16)
-    base = quant_config(t, k, split=layout == "default")
+    base = quant_config(t, k, layout=layout)
     for rho, select in ((0.0, "auto"), (0.5, "rank"), (0.5, "bisect"), (0.5, "radix")):
         cfg = dataclasses.replace(base, select=select)
         a = pk.quantize_operand(x, rac_ratio=rho, order=pk.default_order(k), backend="pallas", config=cfg)
