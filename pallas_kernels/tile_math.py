@@ -110,18 +110,6 @@ def decode_tile(codes, scale_bits, rows, bk, dtype=jnp.bfloat16):
     return tuple(nvfp4.decode_e2m1_bf16(v).astype(dtype) * s for v in (c & 15, c >> 4))
 
 
-def store_even_odd(ref, rows, start, width, mask, even, odd, interpret):
-    """Write ``even`` and ``odd`` ([r, width // 2] each) to the even and odd columns of
-    ``ref[rows, start:start + width]``: the inverse of ``load_even_odd``. Compiled: two
-    stride-2 stores. Interpret mode interleaves in registers and stores contiguously."""
-    if not interpret:
-        plgpu.store(ref.at[rows, pl.ds(start, width // 2, stride=2)], even, mask=mask)
-        plgpu.store(ref.at[rows, pl.ds(start + 1, width // 2, stride=2)], odd, mask=mask)
-        return
-    v = jnp.stack([even, odd], axis=-1).reshape(even.shape[0], width)
-    plgpu.store(ref.at[rows, pl.ds(start, width)], v, mask=mask)
-
-
 def kernel_arith(interpret: bool) -> nvfp4.Arith:
     return nvfp4.XLA_ARITH if interpret else TRITON_ARITH
 
