@@ -39,9 +39,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness as H  # noqa: E402
-from bench_model import BIG  # noqa: E402
 
-QWEN3_30B_A3B = dict(d_model=2048, expert_ffn=768, n_experts=128, experts_per_token=8)
 
 
 @dataclasses.dataclass
@@ -179,7 +177,7 @@ def grouped_cases(tiny: bool):
     import pallas_kernels as pk
     from quads_jax import precision as P
 
-    b, q = BIG, QWEN3_30B_A3B
+    b, q = H.BENCH_MODEL, H.QWEN3_30B_A3B
     shapes = {"bench gate_up": (b["n_experts"], b["d_model"], 2 * b["expert_ffn"], b["experts_per_token"]),
               "bench down": (b["n_experts"], b["expert_ffn"], b["d_model"], b["experts_per_token"]),
               "qwen3-30b-a3b gate": (q["n_experts"], q["d_model"], q["expert_ffn"], 8),
@@ -231,7 +229,8 @@ def train_grouped_cases(tiny: bool):
 
     import pallas_kernels as pk
 
-    e, d, f, topk = (8, 64, 32, 2) if tiny else (BIG["n_experts"], BIG["d_model"], BIG["expert_ffn"], BIG["experts_per_token"])
+    m = H.BENCH_MODEL
+    e, d, f, topk = (8, 64, 32, 2) if tiny else (m["n_experts"], m["d_model"], m["expert_ffn"], m["experts_per_token"])
     rng = np.random.default_rng(0)
     cases = []
     for tokens in (64,) if tiny else (8192, 32768):
@@ -265,7 +264,8 @@ def attention_cases(tiny: bool):
 
     import pallas_kernels as pk
 
-    h, hkv, dh = (4, 2, 16) if tiny else (BIG["n_heads"], BIG["n_kv_heads"], BIG["head_dim"])
+    m = H.BENCH_MODEL
+    h, hkv, dh = (4, 2, 16) if tiny else (m["n_heads"], m["n_kv_heads"], m["head_dim"])
     rng = np.random.default_rng(2)
     cases = []
     for b, s in ((4, 64),) if tiny else ((64, 576), (256, 576)):

@@ -4,7 +4,7 @@ sizes, each decode step against its byte limit, in one process.
     PYTHONPATH=. python benchmarks/bench_rollout.py --out DIR [--batches 16,64,256,512]
         [--recipes bf16,fp8,nvfp4_naive,quads,quads@warp_row] [--prompts 256] [--new-tokens 512] [--profile-batches 256]
 
-bench_model.BIG runs through the rollout engine. A recipe ``name@layout`` runs with that
+harness.BENCH_MODEL runs through the rollout engine. A recipe ``name@layout`` runs with that
 activation-quantizer layout (``KernelConfig.quant_layout``). For each recipe and batch: output tok/s over
 ``--prompts`` prompts x ``--new-tokens`` tokens (64-token prompts; timed after one untimed
 full wave of ``batch`` requests, so no compilation counts); the time of one decode step (a
@@ -31,7 +31,6 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness as H  # noqa: E402
-from bench_model import BIG  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- the engine sweep
@@ -231,8 +230,8 @@ def main():
 
     res = H.Results(a.out, "rollout", markdown)
     ceil = res.section("ceilings", H.ceilings, H.timer(), a.tiny) or {}
-    big = dict(BIG, vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, n_experts=8,
-               experts_per_token=2, expert_ffn=64, dense_ffn=64, max_seq_len=256) if a.tiny else BIG
+    big = dict(H.BENCH_MODEL, vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, n_experts=8,
+               experts_per_token=2, expert_ffn=64, dense_ffn=64, max_seq_len=256) if a.tiny else H.BENCH_MODEL
     cfg = ModelConfig(**big)
     params = split_params(Transformer(cfg, rngs=nnx.Rngs(0)))[1]
     try:

@@ -3,7 +3,7 @@
     PYTHONPATH=. python benchmarks/bench_train.py --out DIR [--configs policy:grouped:attention:remat:BxT,...]
         [--breakdown CONFIGS] [--tune SECONDS] [--tiny]
 
-Model: bench_model.BIG (0.89B total, 64 experts, top-8, 8 layers, vocab 32000). Each config
+Model: harness.BENCH_MODEL (0.89B total, 64 experts, top-8, 8 layers, vocab 32000). Each config
 (policy x grouped GEMM x attention x remat x tokens) is checked for a finite loss, compiled once,
 and timed over several donated steps (wall clock around whole steps of tens to hundreds of ms).
 MFU counts 6 * active params * tokens + attention (quads_jax.train.flops) against the BF16
@@ -29,7 +29,6 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness as H  # noqa: E402
-from bench_model import BIG  # noqa: E402
 
 def median_s(fn, *args, n=10):
     """Median wall seconds of ``fn(*args)`` to ready, over ``n`` calls (after a compiled one)."""
@@ -276,7 +275,7 @@ def main():
     ap.add_argument("--tiny", action="store_true", help="a small model, to check the harness on a CPU")
     a = ap.parse_args()
     t_start = time.time()
-    cfg = ModelConfig(**(BIG if not a.tiny else dict(BIG, vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
+    cfg = ModelConfig(**(H.BENCH_MODEL if not a.tiny else dict(H.BENCH_MODEL, vocab_size=256, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
                                                           head_dim=16, n_experts=8, experts_per_token=2, expert_ffn=32)))
     counts = cfg.param_counts()
     res = H.Results(a.out, "train", markdown)

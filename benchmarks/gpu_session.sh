@@ -6,7 +6,6 @@
 #   kernels        benchmarks/bench_kernels.py: the kernel registry, checked then timed (KERNEL_REGIMES, KERNEL_MATCH)
 #   rollout_scale  benchmarks/bench_rollout.py: decode steps through the engine vs their byte limit (ROLLOUT_SCALE_ARGS)
 #   train          benchmarks/bench_train.py: the train step per config (TRAIN_ARGS)
-#   rollout        benchmarks/bench_model.py: output tok/s, 256 prompts x 512 new tokens, batch 64, every recipe
 # The device returns only a few files: each stage's log and outputs are appended to one tar,
 # $OUT/results.tar (extract with tar -xf), and removed.
 # Usage (device, from the repo root, with .whl carried: scripts/gpu_wheels.sh fills it here):
@@ -38,9 +37,7 @@ run_stage() {
     rollout_scale) stage "${ROLLOUT_SCALE_CAP:-330}" rollout_scale python3 benchmarks/bench_rollout.py --out "$o/rollout_scale" \
                      --budget $(( ${ROLLOUT_SCALE_CAP:-330} - 30 )) ${ROLLOUT_SCALE_ARGS:-} ;;
     train) stage "${TRAIN_CAP:-330}" train python3 benchmarks/bench_train.py --out "$o/train" --budget $(( ${TRAIN_CAP:-330} - 90 )) ${TRAIN_ARGS:-} ;;
-    rollout) stage "${ROLLOUT_CAP:-250}" rollout python3 benchmarks/bench_model.py --skip-train --out "$o/rollout" --prompts 256 \
-               --new-tokens 512 --decode-batch 64 --recipes "${RECIPES:-quads,fp8,nvfp4_naive,bf16}" --backends pallas ;;
-    *) echo "unknown stage $1 (expected gpu_tests, kernels, rollout_scale, train or rollout)"; return 1 ;;
+    *) echo "unknown stage $1 (expected gpu_tests, kernels, rollout_scale or train)"; return 1 ;;
   esac
 }
 for s in $STAGES; do run_stage "$s"; done

@@ -6,7 +6,8 @@ Timing is device-side where it can be: CUPTI kernel time through
 nothing (a CPU, some ops) the timer falls back to the wall clock of many back-to-back
 launches and one sync, and says so (``measure.source``). A ratio counts only against a
 ceiling measured in the same process: ``ceilings`` gives the copy bandwidth (2 GiB read and
-written) and the rate of an 8192^3 BF16 matmul.
+written) and the rate of an 8192^3 BF16 matmul. ``BENCH_MODEL`` is the model every benchmark
+runs (0.89B parameters, 0.19B active: 64 experts, top-8, 8 layers).
 """
 
 from __future__ import annotations
@@ -19,6 +20,11 @@ import time
 import traceback
 
 import numpy as np
+
+BENCH_MODEL = dict(vocab_size=32000, d_model=1024, n_layers=8, n_heads=16, n_kv_heads=4, head_dim=64, n_experts=64,
+                   experts_per_token=8, expert_ffn=512, dense_ffn=2048, max_seq_len=2048, compute_dtype="bfloat16")
+# Qwen3-30B-A3B's expert shapes (the issue's second grouped-GEMM shape)
+QWEN3_30B_A3B = dict(d_model=2048, expert_ffn=768, n_experts=128, experts_per_token=8)
 
 
 def timer():
