@@ -93,7 +93,7 @@ def quant_cases(tiny: bool):
             shape = f"T{t} K{k} rho{rho}"
             nbytes = t * k * 4  # read BF16, write FP16
             for name, cfg in cfgs.items():
-                for select in ("auto", "bisect", "radix") if rho and name != "one_row" else ("auto",):  # auto: rank here
+                for select in ("auto", "bisect") if rho and name != "one_row" else ("auto",):  # auto: rank here
                     c = dataclasses.replace(cfg, select=select)
                     fn = lambda v, c=c, rho=rho: pk.quantize_operand(v, rac_ratio=rho, order=order, backend="pallas", config=c)
                     cases.append(Case("quant", shape, "operand", f"pallas {name} {select}", fn, (x,), ref=ref, exact=True,

@@ -52,9 +52,10 @@ class QuantConfig:
     chunk: int = 1024
     num_warps: int = 4
     num_stages: int = 1
-    # RAC's in-kernel top fraction: "rank" (all-pairs count), "bisect" (31 counting steps),
-    # "radix" (8 steps of 16-bin counts), or "auto" (rank for rows of up to RANK_MAX_BLOCKS
-    # blocks, else bisect); the same selection either way
+    # RAC's in-kernel top fraction: "rank" (all-pairs count), "bisect" (31 counting steps) or
+    # "auto" (rank for rows of up to RANK_MAX_BLOCKS blocks, else bisect); the same selection
+    # either way. Rank measured fastest at every rollout shape on an H100, against bisection
+    # and a radix select (benchmarks/results/2026-12-06-h100-quant-operand)
     select: str = "auto"
     # programs per token row, each owning K / parts channels (a power of two; the same bits
     # for any value: see the module docstring)
@@ -76,7 +77,7 @@ class QuantConfig:
             raise ValueError(f"config: QuantConfig.chunk={self.chunk} must divide K={k} / parts={self.parts}")
 
 
-SELECTS = ("auto", "rank", "bisect", "radix")
+SELECTS = ("auto", "rank", "bisect")
 
 
 MIN_PART = 256  # channels a program owns at the least (one 16-block of RAC selection work a warp)
@@ -140,16 +141,13 @@ def _top_blocks(own, energies, n_sel, rows, select="auto"):
 
     Energies are non-negative, so their int32 bit patterns order as the values do. A block
     is selected iff fewer than n_sel blocks of its row are strictly larger (the same set as
-    ``>=`` the n-th largest, ties included). Three exact ways to find that set:
+    ``>=`` the n-th largest, ties included). Two exact ways to find that set:
 
     - "rank": one all-pairs count of the owned blocks against the row's (one reduction; the
       work grows with the square of the blocks);
     - "bisect": the n-th largest bit pattern by a 31-step bisection on counts (31 dependent
-      reductions, each linear in the blocks);
-    - "radix": the same pattern four bits at a time from the top, eight steps: each counts the
-      candidates (blocks whose higher bits equal the pattern found so far) per 16 values of
-      the next digit, and keeps the largest digit under which at least the still-needed count
-      lies (linear in the blocks, 8 x 16 bins)."""
+      reductions, each linear in the blocks).
+    """
     bits = lambda es: [jax.lax.bitcast_convert_type(e, jnp.int32) for e in es]
     obits, ebits = bits(own), bits(energies)
     if select == "rank" or (select == "auto" and sum(e.shape[1] for e in ebits) <= RANK_MAX_BLOCKS):
@@ -163,24 +161,6 @@ def _top_blocks(own, energies, n_sel, rows, select="auto"):
                 wide[ej.shape[1]] = cmp if ej.shape[1] not in wide else wide[ej.shape[1]] + cmp
             out.append(sum(jnp.sum(v, axis=2) for v in wide.values()) < n_sel)
         return out
-
-    if select == "radix":
-        digits = jnp.arange(16, dtype=jnp.int32)
-        prefix = jnp.zeros((rows, 1), jnp.int32)
-        need = jnp.full((rows, 1), n_sel, jnp.int32)
-        for shift in range(28, -1, -4):  # bit 31 is 0: energies are non-negative
-            cnt = jnp.zeros((rows, 16), jnp.int32)
-            for eb in ebits:
-                hit = ((eb >> shift) & 15)[:, :, None] == digits[None, None, :]  # [rows, blocks, 16]
-                if shift < 28:
-                    hit = hit & ((eb >> (shift + 4)) == (prefix >> (shift + 4)))[:, :, None]
-                cnt += jnp.sum(hit.astype(jnp.int32), axis=1)
-            # candidates with this digit or a larger one; the digit is the largest d with >= need
-            ge = jnp.sum(jnp.where(digits[None, None, :] >= digits[None, :, None], cnt[:, None, :], 0), axis=2)
-            top = jnp.sum((ge >= need).astype(jnp.int32), axis=1, keepdims=True) - 1
-            need = need - jnp.sum(jnp.where(digits[None, :] > top, cnt, 0), axis=1, keepdims=True)
-            prefix = prefix | (top << shift)
-        return [eb >= prefix for eb in obits]
 
     def count_ge(th):
         tot = jnp.zeros((rows, 1), jnp.int32)

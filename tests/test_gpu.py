@@ -125,7 +125,7 @@ def test_per_token_quantizer_is_bit_identical_to_xla(t, k, layout):
     rng = np.random.default_rng()
     x = jnp.asarray(rng.standard_normal((t, k)) * np.exp(rng.standard_normal((1, k))), jnp.bfloat16)
     base = quant_config(t, k, layout=layout)
-    for rho, select in ((0.0, "auto"), (0.5, "rank"), (0.5, "bisect"), (0.5, "radix")):
+    for rho, select in ((0.0, "auto"), (0.5, "rank"), (0.5, "bisect")):
         cfg = dataclasses.replace(base, select=select)
         a = pk.quantize_operand(x, rac_ratio=rho, order=pk.default_order(k), backend="pallas", config=cfg)
         b = pk.quantize_operand(x, rac_ratio=rho, order=pk.default_order(k), backend="xla")
