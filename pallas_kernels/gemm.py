@@ -81,7 +81,7 @@ def make_loaders(*, x_ref, wc_ref, ws_ref, act_sl, act_ok, col_sl, col_ok, cfg, 
     FP16 compensated values) and the weight codes. Each returns the tile's channels in parts,
     the same parts for both operands: the even and odd channels, or with ``decode="words"``
     the eight word parts (``tile_math.WORD_CHANNELS``; activation values then come in that
-    order, see ``activation_operand``). Both come in the activations' type (the MMA operand
+    order, see ``token_operand``). Both come in the activations' type (the MMA operand
     type; the weight's block values are exact in BF16 and FP16)."""
     bn, bk = cfg.block_n, cfg.block_k
     words = cfg.decode == "words"
@@ -97,7 +97,7 @@ def make_loaders(*, x_ref, wc_ref, ws_ref, act_sl, act_ok, col_sl, col_ok, cfg, 
         return decode_tile(wc, ws, bn, bk, dtype)
 
     def load_a(kt):
-        if words:  # laid out in word-part order by activation_operand: contiguous slices
+        if words:  # laid out in word-part order by token_operand: contiguous slices
             return tuple(plgpu.load(x_ref.at[act_sl, pl.ds(kt * bk + p * (bk // 8), bk // 8)], mask=act_ok, other=0.0)
                          for p in range(8))
         return load_even_odd(x_ref, act_sl, kt * bk, bk, act_ok, interpret, other=0.0)
@@ -123,17 +123,17 @@ def following(cfg, order, k):
     return cfg
 
 
-def token_operand(x, cfg, *, mode, rac_ratio, quant_config):
-    """(a, gx): the fused kernel's token operand in ``operand_order(cfg)`` and its global
-    scales. w4a16: x in BF16 and no scale; QuantizedRows: their operand (``cfg`` follows their
-    order); else the quantizer's FP16 operand (``quantize_operand``: q(x), or RAC's
-    compensated activation), written in the kernel's order by the quantizer itself."""
-    order = operand_order(cfg)
+def token_operand(x, order, *, mode, rac_ratio, quant_config):
+    """(a, gx): the token operand in column ``order`` and its global scales. w4a16: x in BF16
+    and no scale; QuantizedRows: their operand (callers ask for the rows' own order, which the
+    fused kernel's config follows, or for channel order); else the quantizer's FP16 operand
+    (``quantize_operand``: q(x), or RAC's compensated activation), written in ``order`` by the
+    quantizer itself."""
     if mode == "w4a16":
         v = x.astype(jnp.bfloat16)
         return (v if order[0] == "plain" else to_word_parts_order(v, order[1])), None
     if isinstance(x, QuantizedRows):
-        return x.a, x.gx
+        return (x.a if x.order == tuple(order) else x.plain()), x.gx
     return quantize_operand(x, rac_ratio=rac_ratio, order=order, backend="pallas", config=quant_config)
 
 
@@ -351,18 +351,13 @@ def nvfp4_matmul(x, w, *, rac_ratio=0.0, rac_mode="token", rac_sum="fp16", act_s
         raise ValueError(f"x: the Pallas GEMM needs K % 32 == 0 (got K={k}); use backend='xla'")
     cfg = config or gemm_config(t, sum(wi.shape[0] for wi in ws), k)
     if cfg.path == "dequant":  # the operand in channel order, one dense dot a weight
-        if isinstance(x, QuantizedRows):
-            a, gx = x.plain(), x.gx
-        elif mode == "w4a16":
-            a, gx = x.astype(jnp.bfloat16), None
-        else:
-            a, gx = quantize_operand(x, rac_ratio=rac_ratio, backend="pallas", config=quant_config)
+        a, gx = token_operand(x, ("plain", 16), mode=mode, rac_ratio=rac_ratio, quant_config=quant_config)
         dot = lambda wi: _dot_nt(a, nvfp4.block_values(wi, a.dtype)) * (1.0 if gx is None else gx)
         outs = tuple((dot(wi) * jnp.asarray(wi.global_scale, jnp.float32)).astype(out_dtype) for wi in ws)
     else:
         if isinstance(x, QuantizedRows):
             cfg = following(cfg, x.order, k)
-        a, gx = token_operand(x, cfg, mode=mode, rac_ratio=rac_ratio, quant_config=quant_config)
+        a, gx = token_operand(x, operand_order(cfg), mode=mode, rac_ratio=rac_ratio, quant_config=quant_config)
         gw = tuple(jnp.reshape(jnp.asarray(wi.global_scale, jnp.float32), (1,)) for wi in ws)
         outs = _gemm_call(a, gx, tuple(wi.codes for wi in ws), tuple(_bits(wi.scales) for wi in ws), gw, cfg=cfg,
                           out_dtype=out_dtype, interpret=interpret_mode())

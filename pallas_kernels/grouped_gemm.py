@@ -34,6 +34,7 @@ from pallas_kernels.gemm import (
     for_each_weight,
     gemm_config,
     in_kernel_regime,
+    operand_order,
     out_shapes,
     output_tile,
     reduce_split,
@@ -168,7 +169,7 @@ def nvfp4_grouped_matmul(x, w, group_sizes, *, rac_ratio=0.0, rac_mode="token", 
                          "(backend='xla' runs lax.ragged_dot on the decoded values)")
     if isinstance(x, QuantizedRows):
         cfg = following(cfg, x.order, k)
-    a, gx = token_operand(x, cfg, mode=mode, rac_ratio=rac_ratio, quant_config=quant_config)
+    a, gx = token_operand(x, operand_order(cfg), mode=mode, rac_ratio=rac_ratio, quant_config=quant_config)
     outs = _grouped_call(a, gx, tuple(wi.codes for wi in ws), tuple(_bits(wi.scales) for wi in ws),
                          tuple(_per_expert_gw(wi) for wi in ws), group_sizes, cfg=cfg, out_dtype=out_dtype,
                          interpret=interpret_mode())

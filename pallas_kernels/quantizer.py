@@ -329,7 +329,8 @@ def quantize_operand(x, *, rac_ratio: float = 0.0, order=("plain", 16), rows: in
     if rows < t:
         raise ValueError(f"rows={rows}: expected at least T={t}")
     cols = operand_columns(np.arange(k), order)  # also checks order
-    config = quant_config(t, k, layout=config or "auto") if config is None or isinstance(config, str) else config
+    if not isinstance(config, QuantConfig):  # a layout name, or None for the heuristic
+        config = quant_config(t, k, layout=config or "auto")
     config.check(k)  # checked whatever path runs
     if resolve_backend(backend) == "xla":
         xq, rq = quantize_activations_rac(x, rac_ratio=rac_ratio, act_scale="token")
