@@ -8,6 +8,8 @@ Regimes (``--regimes``), each a list of ``Case``s built by one function below:
 
     quant          the activation quantizer (per-token scales, RAC rho 0 and 0.5) at the rollout's
                    T x K: the default config against the other layouts and selections; bit-exact
+    weight_quant   the trainer's QAT weight (FP32 -> BF16 NVFP4 fake quant) at the bench model's
+                   expert shapes: the kernel (default and other tiles) against XLA; bit-exact
     dense          the NVFP4 linear (W4A4 + RAC, and W4A4) at decode (T <= 64), mid-batch (the
                    RL rollout's 256) and prefill (4096) sizes: the default plan, the other path
                    (fused kernel / decode once + BF16 dot) and the XLA reference; BF16 and FP8
@@ -88,16 +90,21 @@ def quant_cases(tiny: bool):
         x = jnp.asarray(rng.standard_normal((t, k)) * np.exp(rng.standard_normal(k)), jnp.bfloat16)
         cfgs = {layout: pk.quant_config(t, k, layout=layout) for layout in ("auto", "one_row", "warp_row")}
         order = pk.default_order(k)
-        for rho in (0.0, 0.5):
+        # rho 1 selects every block without ranking: against rho 0.5 it isolates the selection's cost
+        for rho in (0.0, 0.5, 1.0):
             ref = lambda v, rho=rho: pk.quantize_operand(v, rac_ratio=rho, order=order, backend="xla")
             shape = f"T{t} K{k} rho{rho}"
             nbytes = t * k * 4  # read BF16, write FP16
-            for name, cfg in cfgs.items():
-                for select in ("auto", "bisect") if rho and name != "one_row" else ("auto",):  # auto: rank here
-                    c = dataclasses.replace(cfg, select=select)
-                    fn = lambda v, c=c, rho=rho: pk.quantize_operand(v, rac_ratio=rho, order=order, backend="pallas", config=c)
-                    cases.append(Case("quant", shape, "operand", f"pallas {name} {select}", fn, (x,), ref=ref, exact=True,
-                                      bytes=nbytes, kept=name == "auto" and select == "auto"))
+            variants = [(name, dataclasses.replace(cfg, select=select)) for name, cfg in cfgs.items()
+                        for select in (("auto", "bisect") if rho == 0.5 and name != "one_row" else ("auto",))
+                        if rho != 1.0 or name == "auto"]
+            if rho == 0.5:  # the default layout on other warp counts
+                variants += [(f"auto w{w}", dataclasses.replace(cfgs["auto"], num_warps=w)) for w in (4, 16)
+                             if w != cfgs["auto"].num_warps]
+            for name, c in variants:
+                fn = lambda v, c=c, rho=rho: pk.quantize_operand(v, rac_ratio=rho, order=order, backend="pallas", config=c)
+                cases.append(Case("quant", shape, "operand", f"pallas {name} {c.select}", fn, (x,), ref=ref, exact=True,
+                                  bytes=nbytes, kept=name == "auto" and c.select == "auto"))
             cases.append(Case("quant", shape, "operand", "xla", ref, (x,), bytes=nbytes))
     return cases
 
@@ -282,7 +289,34 @@ def attention_cases(tiny: bool):
     return cases
 
 
-REGIMES = {"quant": quant_cases, "dense": dense_cases, "grouped": grouped_cases, "train_grouped": train_grouped_cases,
+def weight_quant_cases(tiny: bool):
+    """The trainer's QAT weight (``nvfp4_w``: FP32 master weights -> their BF16 NVFP4 fake
+    quantization, every step): the kernel against ``nvfp4.fake_quant`` in XLA, bits checked.
+    Bytes: read FP32 twice (the global amax, the kernel), write BF16."""
+    import jax.numpy as jnp
+
+    import pallas_kernels as pk
+    rng = np.random.default_rng(4)
+    cases = []
+    for shape in [(2, 32, 64)] if tiny else [(64, 1024, 1024), (64, 2048, 1024), (2048, 1024)]:
+        w = jnp.asarray(rng.standard_normal(shape) * np.exp(rng.standard_normal(shape[-1])), jnp.float32)
+        ref = lambda v: pk.weight_fake_quant(v, dtype=jnp.bfloat16, backend="xla")
+        common = dict(ref=ref, exact=True, bytes=w.size * 10.0)
+        name = "x".join(map(str, shape))
+        cases += [Case("weight_quant", name, "fake quant", "pallas",
+                       lambda v: pk.weight_fake_quant(v, dtype=jnp.bfloat16, backend="pallas"), (w,), kept=True, **common),
+                  Case("weight_quant", name, "fake quant", "xla", ref, (w,), **common),
+                  Case("weight_quant", name, "cast (the bf16 policy's)", "xla", lambda v: v.astype(jnp.bfloat16), (w,),
+                       bytes=w.size * 6.0)]
+        for br, bk, nw in () if tiny else ((16, 512, 8), (4, 1024, 4), (8, 256, 4)):
+            cfg = pk.FakeQuantConfig(block_rows=br, block_k=bk, num_warps=nw)
+            cases.append(Case("weight_quant", name, "fake quant", f"pallas {br}x{bk} w{nw}",
+                              lambda v, cfg=cfg: pk.weight_fake_quant(v, dtype=jnp.bfloat16, backend="pallas", config=cfg),
+                              (w,), **common))
+    return cases
+
+
+REGIMES = {"quant": quant_cases, "weight_quant": weight_quant_cases, "dense": dense_cases, "grouped": grouped_cases, "train_grouped": train_grouped_cases,
            "attention": attention_cases}
 
 

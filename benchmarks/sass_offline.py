@@ -162,6 +162,21 @@ def quant_cases(shapes=((16, 4096), (64, 4096), (256, 1024), (2048, 512)), selec
                     yield f"quant T{t} K{k} rho{rho} {layout} parts{cfg.parts} chunk{cfg.chunk} w{cfg.num_warps} {select}", fn, cfg
 
 
+def weight_quant_cases(shapes=((64 * 1024, 1024), (1024, 1024))):
+    """(name, lower(), FakeQuantConfig) of the trainer's weight fake-quant kernel at the bench
+    model's expert and attention weights, its default tiles."""
+    import jax
+    import jax.numpy as jnp
+
+    WQ = importlib.import_module("pallas_kernels.weight_quant")
+    for r, k in shapes:
+        cfg = WQ.fake_quant_config(r, k)
+        w, gs = jnp.ones((r, k), jnp.float32), jnp.ones((r, 1), jnp.float32)
+        fn = lambda cfg=cfg, w=w, gs=gs: jax.jit(
+            lambda a, b: WQ._call(a, b, dtype=jnp.bfloat16, cfg=cfg, interpret=False)).trace(w, gs).lower(lowering_platforms=("cuda",))
+        yield f"weight fake-quant R{r} K{k} {cfg.block_rows}x{cfg.block_k} w{cfg.num_warps}", fn, cfg
+
+
 def compile_ttir(triton_python, ttir, path, num_warps, num_stages):
     """Compile captured TTIR for sm_90: (error or None, registers, stack bytes, SASS text)."""
     open(path, "w").write(ttir)
@@ -202,7 +217,8 @@ def quant_main(a, captured, tmp, cases=None, stem="sass_offline_quant"):
     for i, (name, lower, cfg) in enumerate(cases or quant_cases()):
         jax.clear_caches()
         lower()
-        err, regs, stack, sass = compile_ttir(a.triton_python, captured[-1], os.path.join(tmp, f"q{i}.ttir"), cfg.num_warps, cfg.num_stages)
+        err, regs, stack, sass = compile_ttir(a.triton_python, captured[-1], os.path.join(tmp, f"q{i}.ttir"), cfg.num_warps,
+                                                getattr(cfg, "num_stages", 1))
         ops = [m.group(2).split(".")[0] for m in re.finditer(r"/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)]
         row = {"kernel": name, "config": dataclasses.asdict(cfg)}
         if err:
@@ -229,7 +245,7 @@ def main():
     ap.add_argument("--out", default=None, help="write sass_offline.json and .md here")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                     help="GemmConfig fields to override in every case, e.g. --set decode=words")
-    ap.add_argument("--kernels", default="gemm", choices=("gemm", "quant", "decode_attention"),
+    ap.add_argument("--kernels", default="gemm", choices=("gemm", "quant", "decode_attention", "weight_quant"),
                     help="the GEMMs' main loops, the activation quantizer, or the live-KV decode attention")
     a = ap.parse_args()
     captured = capture_ttir()
@@ -238,6 +254,8 @@ def main():
     tmp = tempfile.mkdtemp()
     if a.kernels == "quant":
         return quant_main(a, captured, tmp)
+    if a.kernels == "weight_quant":
+        return quant_main(a, captured, tmp, weight_quant_cases(), "sass_offline_weight_quant")
     if a.kernels == "decode_attention":
         return quant_main(a, captured, tmp, decode_attention_cases(), "sass_offline_decode_attention")
     rows = []

@@ -17,6 +17,7 @@ from pallas_kernels.fp8_gemm import fp8_grouped_matmul, fp8_matmul
 from pallas_kernels.grouped_gemm import nvfp4_grouped_matmul, nvfp4_grouped_matmul_xla
 from pallas_kernels.gemm import GemmConfig, gemm_config, nvfp4_matmul, nvfp4_matmul_xla
 from pallas_kernels.rac import RAC_MODES, RAC_SUMS
+from pallas_kernels.weight_quant import FakeQuantConfig, fake_quant_config, weight_fake_quant
 from pallas_kernels.quantizer import (QuantConfig, QuantizedRows, default_order, quant_config, quantize_activations,
                                       quantize_activations_rac, quantize_operand, quantize_rows)
 
@@ -27,5 +28,5 @@ __all__ = [
     "quantize_operand", "default_order",
     "nvfp4_matmul", "nvfp4_matmul_xla", "nvfp4_grouped_matmul", "nvfp4_grouped_matmul_xla",
     "fp8_matmul", "fp8_grouped_matmul", "GemmConfig", "gemm_config",
-    "RAC_MODES", "RAC_SUMS",
+    "RAC_MODES", "RAC_SUMS", "FakeQuantConfig", "fake_quant_config", "weight_fake_quant",
 ]

@@ -245,9 +245,12 @@ def _quant_kernel(x_ref, a_ref, gx_ref, *, t, k, cfg, n_sel, arith, interpret, o
         own_energy = [e for _, _, e in residuals]
         # with parts > 1 the row's energies come from its whole, quantized once more here
         # (the owned chunks' share again: their index is the program's, not a constant)
-        row_energy = own_energy if row is None else [_residual(_quantize_chunk(xe, xo, gx, bm, c, arith), gx, arith)[-1]
-                                                    for xe, xo in row]
-        selected = _top_blocks(own_energy, row_energy, n_sel, bm, cfg.select)
+        if n_sel < k // 16:
+            row_energy = own_energy if row is None else [_residual(_quantize_chunk(xe, xo, gx, bm, c, arith), gx, arith)[-1]
+                                                        for xe, xo in row]
+            selected = _top_blocks(own_energy, row_energy, n_sel, bm, cfg.select)
+        else:  # rho 1: every block (a NaN energy is unselected, as in the reference's comparison)
+            selected = [e == e for e in own_energy]
         gr = gx * rac.RESIDUAL_SCALE_FACTOR
         for j, (re, ro, _) in enumerate(residuals):
             m = selected[j][:, :, None]

@@ -546,7 +546,7 @@ def fake_quant(x, *, dtype=None, **kwargs):
     kw = tuple(sorted(kwargs.items(), key=lambda kv: kv[0]))
     if kwargs.get("global_scale") is None:
         y, _ = _fq_forward(jax.lax.stop_gradient(x), kw)
-        return _ste_identity(x, y.astype(dtype or x.dtype))
+        return straight_through(x, y.astype(dtype or x.dtype))
     return _fake_quant_ste(x, kw).astype(dtype or x.dtype)
 
 
@@ -579,13 +579,15 @@ _ste_core.defvjp(_ste_fwd, _ste_bwd)
 
 
 @jax.custom_vjp
-def _ste_identity(x, y):
+def straight_through(x, y):
+    """y in the forward pass, the identity from y's cotangent to x's (in x's dtype) in the
+    backward: the gradient of a fake quantization whose range nothing exceeds."""
     del x
     return y
 
 
 # the residual is an empty array of x's dtype: the cotangent goes back in x's type
-_ste_identity.defvjp(lambda x, y: (y, jnp.zeros((0,), x.dtype)), lambda r, g: (g.astype(r.dtype), None))
+straight_through.defvjp(lambda x, y: (y, jnp.zeros((0,), x.dtype)), lambda r, g: (g.astype(r.dtype), None))
 
 
 def _fake_quant_ste(x, kw):

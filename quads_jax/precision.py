@@ -157,10 +157,11 @@ def quantize_weight(w) -> nvfp4.NVFP4Tensor:
     return nvfp4.quantize(w, **weight_quant_kwargs(w.ndim))
 
 
-def fake_quant_weight(w, dtype=None):
+def fake_quant_weight(w, dtype=None, backend=None):
     """The QAT weight: dq(q(w)) in ``dtype`` (default w's; the product's operand type) with
-    a straight-through gradient in w's dtype."""
-    return nvfp4.fake_quant(w, dtype=dtype, **weight_quant_kwargs(w.ndim))
+    a straight-through gradient in w's dtype, quantized as ``quantize_weight`` does
+    (``pk.weight_fake_quant``: one pass over the weight on a GPU)."""
+    return pk.weight_fake_quant(w, dtype=dtype, backend=backend)
 
 
 def prepare_weight(w, mode: str, dtype=None):
@@ -182,13 +183,13 @@ def _act_fq(x):
     return nvfp4.fake_quant(x, axis=-1, keep_axes=tuple(range(x.ndim - 1)))
 
 
-def _float_operands(x, w, mode: str):
+def _float_operands(x, w, mode: str, backend=None):
     if mode == "fp8":
         return fp8.fake_quant(x, axis=-1), fp8.fake_quant(w, axis=-1)
     if mode == "nvfp4_w":
-        return x, fake_quant_weight(w, x.dtype)
+        return x, fake_quant_weight(w, x.dtype, backend)
     if mode == "nvfp4_wa":
-        return _act_fq(x), fake_quant_weight(w, x.dtype)
+        return _act_fq(x), fake_quant_weight(w, x.dtype, backend)
     if mode in ("bf16", "w4a4", "w4a16"):  # rollout modes on an unprepared weight: plain
         return x, w
     raise ValueError(f"mode={mode!r}: expected one of {TRAIN_MODES + ROLLOUT_MODES}")
@@ -238,7 +239,7 @@ def _linear_one(x2, w, mode, *, dtype, backend, operand_dtype):
     if isinstance(w, fp8.FP8Tensor):
         return pk.fp8_matmul(x2.astype(jnp.bfloat16), w, backend=backend, out_dtype=dtype)
     od = operand_dtype
-    a, b = _float_operands(x2.astype(od), w, mode)
+    a, b = _float_operands(x2.astype(od), w, mode, backend)
     return _dot_nt(a.astype(od), b.astype(od)).astype(dtype)
 
 
@@ -311,15 +312,15 @@ def grouped_linear(x, w, group_sizes, mode: str, *, dtype=jnp.bfloat16, rac_rati
     elif any(isinstance(wi, (nvfp4.NVFP4Tensor, fp8.FP8Tensor, pk.ExpertsKN)) for wi in ws):
         raise ValueError("w: quantized or inference expert weights mixed with other weights in one grouped call")
     else:
-        ys = _grouped_float(x, ws, group_sizes, mode, dtype=dtype, grouped=grouped, tiles=tiles)
+        ys = _grouped_float(x, ws, group_sizes, mode, dtype=dtype, grouped=grouped, tiles=tiles, backend=backend)
     return list(ys) if many else ys[0]
 
 
-def _grouped_float(x, ws, group_sizes, mode, *, dtype, grouped, tiles):
+def _grouped_float(x, ws, group_sizes, mode, *, dtype, grouped, tiles, backend):
     """Float expert weights that read the same rows (gate/up) as one GEMM over their outputs
     concatenated: one read of x, and in the backward pass one dx product instead of a sum
     of several. Each weight is fake-quantized on its own (its own tensor scale) first."""
-    ops = [_float_operands(x.astype(dtype), wi, mode) for wi in ws]
+    ops = [_float_operands(x.astype(dtype), wi, mode, backend) for wi in ws]
     a = ops[0][0]
     b = ops[0][1] if len(ops) == 1 else jnp.concatenate([bi.astype(dtype) for _, bi in ops], axis=1)
     y = pk.grouped_dot(a.astype(dtype), b.astype(dtype), group_sizes, impl=grouped, out_dtype=dtype, tiles=tiles)

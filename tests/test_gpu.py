@@ -112,12 +112,46 @@ def test_one_launch_over_weights_sharing_an_input_equals_xla():
         assert rel(g, pk.nvfp4_matmul(x, w, rac_ratio=0.5, act_scale="token", backend="xla")) < 2e-3
 
 
-@pytest.mark.parametrize("t,k", [(16, 2048), (64, 2048), (256, 1024), (2048, 512)])
-@pytest.mark.parametrize("layout", ["auto", "one_row", "warp_row"])
-def test_per_token_quantizer_is_bit_identical_to_xla(t, k, layout):
-    """The rollout's quantizer (per-token scales computed in the kernel, RAC 0 and 0.5, each
-    selection; the FP16 operand in the word order) at the rollout's sizes, in the default
-    layout, in one program a row and in one warp a row."""
+def where_bits_differ(a, b) -> str:
+    """'' when a and b hold the same bits, else how many elements differ and the first few."""
+    a, b = np.asarray(a), np.asarray(b)
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return f"shape/dtype {a.shape} {a.dtype} vs {b.shape} {b.dtype}"
+    bad = np.argwhere(a.view(f"u{a.itemsize}") != b.view(f"u{b.itemsize}"))
+    if not len(bad):
+        return ""
+    first = ", ".join(f"{tuple(int(i) for i in ix)}: {a[tuple(ix)]!r} vs {b[tuple(ix)]!r}" for ix in bad[:4])
+    return f"{len(bad)} of {a.size} differ (rows {sorted(set(int(i) for i in bad[:, 0]))[:8]}...), first {first}"
+
+
+QUANT_SHAPES = [(16, 2048), (64, 1024), (256, 1024), (256, 2048), (2048, 512)]  # the kernel registry's and the rollout's
+
+
+@pytest.mark.parametrize("t,k", QUANT_SHAPES)
+def test_quantizer_jitted_on_gpu_equals_the_cpu_reference(t, k):
+    """The rollout's quantizer (default layout, per-token scales, RAC 0 and 0.5), compiled, and
+    its XLA reference jitted for the GPU, both against the XLA reference on the CPU (the bits
+    the interpret-mode tests hold the kernel to). Reports where the bits differ."""
+    rng = np.random.default_rng()
+    x = np.asarray(rng.standard_normal((t, k)) * np.exp(rng.standard_normal((1, k))), jnp.bfloat16)
+    cpu = jax.devices("cpu")[0]
+    problems = []
+    for rho in (0.0, 0.5):
+        f = lambda backend, rho=rho: jax.jit(lambda v: pk.quantize_operand(v, rac_ratio=rho, order=pk.default_order(k), backend=backend))
+        with jax.default_device(cpu):
+            want = jax.device_get(f("xla")(jax.device_put(x, cpu)))
+        for name, got in (("pallas", f("pallas")(x)), ("xla on the gpu", f("xla")(x))):
+            for out, u, v in zip(("operand", "gx"), jax.device_get(got), want):
+                d = where_bits_differ(u, v)
+                if d:
+                    problems.append(f"rho={rho} {name} {out}: {d}")
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("t,k", [(16, 2048), (256, 2048)])
+@pytest.mark.parametrize("layout", ["one_row", "warp_row"])
+def test_per_token_quantizer_layouts_and_selections_are_bit_identical(t, k, layout):
+    """The other layouts and the explicit selections give the default's bits."""
     import dataclasses
 
     from pallas_kernels.quantizer import quant_config
@@ -128,9 +162,24 @@ def test_per_token_quantizer_is_bit_identical_to_xla(t, k, layout):
     for rho, select in ((0.0, "auto"), (0.5, "rank"), (0.5, "bisect")):
         cfg = dataclasses.replace(base, select=select)
         a = pk.quantize_operand(x, rac_ratio=rho, order=pk.default_order(k), backend="pallas", config=cfg)
-        b = pk.quantize_operand(x, rac_ratio=rho, order=pk.default_order(k), backend="xla")
+        b = pk.quantize_operand(x, rac_ratio=rho, order=pk.default_order(k), backend="pallas")
         for u, v in zip(a, b):
-            np.testing.assert_array_equal(np.asarray(u), np.asarray(v), err_msg=f"rho={rho} {cfg}")
+            assert not where_bits_differ(u, v), f"rho={rho} {cfg}: {where_bits_differ(u, v)}"
+
+
+@pytest.mark.parametrize("shape", [(64, 1024, 1024), (2048, 1024)])
+def test_weight_fake_quant_kernel_equals_xla(shape):
+    """The trainer's QAT weight (FP32 master -> BF16 fake quant), the kernel against
+    nvfp4.fake_quant jitted on the GPU and on the CPU."""
+    rng = np.random.default_rng()
+    w = np.asarray(rng.standard_normal(shape) * np.exp(rng.standard_normal(shape[-1])), np.float32)
+    f = lambda backend: jax.jit(lambda v: pk.weight_fake_quant(v, dtype=jnp.bfloat16, backend=backend))
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu):
+        want = jax.device_get(f("xla")(jax.device_put(w, cpu)))
+    for name, got in (("pallas", f("pallas")(w)), ("xla on the gpu", f("xla")(w))):
+        d = where_bits_differ(jax.device_get(got), want)
+        assert not d, f"{name}: {d}"
 
 
 @pytest.mark.parametrize("b,s,splits", [(64, 576, None), (8, 2048, None), (256, 576, 1)])

@@ -559,3 +559,31 @@ def test_gemm_takes_rows_quantized_ahead_in_either_order(rng, t, rho):
         NM.following(dataclasses.replace(base, split_k=8), ("words", 128), 512)
     with pytest.raises(ValueError, match="rac_sum"):  # rows hold the FP16 sum
         pk.nvfp4_matmul(pk.quantize_rows(x, rac_ratio=0.5, backend="xla"), w, rac_ratio=0.5, rac_sum="exact", act_scale="token")
+
+
+@pytest.mark.parametrize("shape,config", [((64, 128), None), ((4, 48, 96), None),
+                                          ((3, 40, 1024), pk.FakeQuantConfig(block_rows=4, block_k=256))])
+def test_weight_fake_quant_kernel_equals_xla_with_identity_gradient(rng, shape, config):
+    """The trainer's QAT weight from the kernel: nvfp4.fake_quant's bits (one global scale per
+    matrix, per expert for stacked weights), in BF16 and FP32, and the identity gradient."""
+    w = jnp.asarray(heavy(rng, shape) * 3.0)
+    for dtype in (jnp.bfloat16, jnp.float32):
+        a = pk.weight_fake_quant(w, dtype=dtype, backend="pallas", config=config)
+        b = nvfp4.fake_quant(w, dtype=dtype, axis=-1, keep_axes=(0,) if w.ndim == 3 else ())
+        assert a.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+    ct = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    g = jax.grad(lambda v: jnp.sum(pk.weight_fake_quant(v, dtype=jnp.bfloat16, backend="pallas").astype(jnp.float32) * ct))(w)
+    assert g.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(ct.astype(jnp.bfloat16).astype(jnp.float32)))
+
+
+def test_weight_fake_quant_rejects_bad_input():
+    with pytest.raises(ValueError, match="w: expected a weight"):
+        pk.weight_fake_quant(jnp.ones((2, 3, 4, 16)), backend="pallas")
+    with pytest.raises(ValueError, match="K=40"):
+        pk.weight_fake_quant(jnp.ones((8, 40)), backend="pallas")
+    with pytest.raises(ValueError, match="block_k"):
+        pk.FakeQuantConfig(block_k=24)
+    with pytest.raises(ValueError, match="must divide"):
+        pk.weight_fake_quant(jnp.ones((8, 64)), backend="pallas", config=pk.FakeQuantConfig(block_rows=3, block_k=64))
