@@ -2,10 +2,9 @@
 sizes, each decode step against its byte limit, in one process.
 
     PYTHONPATH=. python benchmarks/bench_rollout.py --out DIR [--batches 16,64,256,512]
-        [--recipes bf16,fp8,nvfp4_naive,quads,quads@warp_row] [--prompts 256] [--new-tokens 512] [--profile-batches 256]
+        [--recipes bf16,fp8,nvfp4_naive,quads] [--prompts 256] [--new-tokens 512] [--profile-batches 256]
 
-harness.BENCH_MODEL runs through the rollout engine. A recipe ``name@layout`` runs with that
-activation-quantizer layout (``KernelConfig.quant_layout``). For each recipe and batch: output tok/s over
+harness.BENCH_MODEL runs through the rollout engine. For each recipe and batch: output tok/s over
 ``--prompts`` prompts x ``--new-tokens`` tokens (64-token prompts; timed after one untimed
 full wave of ``batch`` requests, so no compilation counts); the time of one decode step (a
 donated 16-step burst at the run's mean cache length, divided by 16); and the step's byte
@@ -103,7 +102,6 @@ def kernels_per_step(eng, batch, live, top=14):
 
 
 def sweep(res, cfg, params, recipes, batches, prompts, new_tokens, copy_tbps, deadline, prompt_len=64, profile=()):
-    import pallas_kernels as pk
     from quads_jax import precision as P
     from rollout.engine import Engine, Request
 
@@ -121,8 +119,7 @@ def sweep(res, cfg, params, recipes, batches, prompts, new_tokens, copy_tbps, de
                 continue
             try:
                 t0 = time.time()
-                name, _, layout = recipe.partition("@")  # "quads@warp_row": a quantizer layout (KernelConfig.quant_layout)
-                prec = P.rollout_recipe(name, kernels=pk.KernelConfig(quant_layout=layout or "auto"))
+                prec = P.rollout_recipe(recipe)
                 eng = Engine(cfg, recipe=prec, max_batch=batch, max_len=prompt_len + new_tokens)
                 eng.load(params)
                 eng.generate([dataclasses.replace(r, max_new_tokens=min(new_tokens, eng.decode_burst + 1)) for r in reqs[:batch]])  # compile

@@ -152,8 +152,9 @@ def quant_cases(shapes=((16, 4096), (64, 4096), (256, 1024), (2048, 512)), selec
         x = jnp.ones((t, k), jnp.bfloat16)
         for rho in (0.0, 0.5):
             n_sel = QA.rac.num_selected(rho, k // 16)
-            for layout in ("auto", "one_row", "warp_row"):
-                base = QA.quant_config(t, k, layout=layout)
+            default = QA.quant_config(t, k)
+            for layout, base in (("default", default), ("one_row", dc.replace(default, parts=1)),
+                                 ("warp_row", dc.replace(default, parts=1, num_warps=1))):
                 for select in selects if rho else ("auto",):
                     cfg = dc.replace(base, select=select)
                     fn = lambda cfg=cfg, n_sel=n_sel, x=x: jax.jit(

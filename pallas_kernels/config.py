@@ -20,10 +20,6 @@ Fields (each validated here, with a one-line error naming the field):
                steps): "pallas" (``pallas_kernels.cache_attention``: reads only each row's
                live keys), "xla" (the reference: scores over the whole cache, masked), or
                "auto" (pallas on a GPU, xla elsewhere).
-    quant_layout  the rollout's activation quantizer's layout (``quantizer.quant_config``): "auto"
-               (the heuristic: two or more programs a token row), "one_row" (one program of
-               several warps a row) or "warp_row" (one warp a row: every row-wide reduction a
-               warp shuffle). The same bits in any layout.
     grouped_tiles  the tiles of the three expert GEMMs, ``GroupedTiles(fwd, dx, dw)``: each a
                tokamax ``Tiles`` or None for tokamax's own heuristic (a 64 x 64 tile on sm90);
                dw may instead be a ``DwTiles``, which runs our Pallas dW kernel. The default
@@ -45,7 +41,6 @@ BACKENDS = ("pallas", "xla")
 GROUPED = ("tokamax", "xla")
 ATTENTION = ("cudnn", "tokamax", "xla")
 DECODE_ATTENTION = ("pallas", "xla")
-QUANT_LAYOUTS = ("auto", "one_row", "warp_row")
 
 
 def _on_gpu() -> bool:
@@ -148,7 +143,6 @@ class KernelConfig:
     grouped: str = "auto"
     attention: str = "auto"
     decode_attention: str = "auto"
-    quant_layout: str = "auto"
     grouped_tiles: GroupedTiles = DEFAULT_GROUPED_TILES
 
     def __post_init__(self):
@@ -157,8 +151,6 @@ class KernelConfig:
             v = getattr(self, name)
             if v != "auto" and v not in allowed:
                 raise ValueError(f"kernels.{name}={v!r}: expected one of {('auto',) + allowed}")
-        if self.quant_layout not in QUANT_LAYOUTS:
-            raise ValueError(f"kernels.quant_layout={self.quant_layout!r}: expected one of {QUANT_LAYOUTS}")
         if not isinstance(self.grouped_tiles, GroupedTiles):
             object.__setattr__(self, "grouped_tiles", GroupedTiles.from_dict(self.grouped_tiles))
 

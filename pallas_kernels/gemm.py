@@ -337,9 +337,8 @@ def nvfp4_matmul(x, w, *, rac_ratio=0.0, rac_mode="token", rac_sum="fp16", act_s
     projections that read one input): then the activations are quantized once, one launch
     computes every product, and the result is the tuple of their outputs. ``backend`` None
     picks the Pallas kernels on a GPU; they cover the rollout's regime (``in_kernel_regime``),
-    the rest runs the reference. ``config`` and ``quant_config`` override the GEMM's and the
-    activation quantizer's tuning (the GEMM's tiles are chosen for the summed N;
-    ``quant_config`` may be a QuantConfig or a layout name, see ``quantizer.quant_config``)."""
+    the rest runs the reference. ``config`` and ``quant_config`` (a QuantConfig) override the
+    GEMM's and the activation quantizer's tiles (the GEMM's are chosen for the summed N)."""
     kw = dict(rac_ratio=rac_ratio, rac_mode=rac_mode, rac_sum=rac_sum, act_scale=act_scale, mode=mode)
     if resolve_backend(backend) == "xla" or not in_kernel_regime(mode, rac_ratio, rac_mode, act_scale, rac_sum):
         return nvfp4_matmul_xla(x, w, out_dtype=out_dtype, **kw)

@@ -37,7 +37,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from quads_jax import nvfp4
-from pallas_kernels.config import QUANT_LAYOUTS, interpret_mode, resolve_backend
+from pallas_kernels.config import interpret_mode, resolve_backend
 from pallas_kernels.tiling import device_sms
 from pallas_kernels import rac
 from pallas_kernels.tile_math import kernel_arith, load_even_odd, operand_columns
@@ -83,24 +83,18 @@ SELECTS = ("auto", "rank", "bisect")
 MIN_PART = 256  # channels a program owns at the least (one 16-block of RAC selection work a warp)
 
 
-def quant_config(t: int, k: int, num_sms: int | None = None, layout: str = "auto") -> QuantConfig:
-    """The quantizer's layout for T rows of K channels. ``layout``:
-
-    - "auto": rows of K >= 512 channels take at least two programs each (``parts``), and
-      decode sizes (few tokens) split further until about one wave runs (T=16: 8 parts,
-      T=64: 2); 1024 tokens and more take two rows a program. Two parts at any T because one
-      program a row measured slow at every rollout size, with or without RAC
-      (benchmarks/results/2026-12-05-h100-rollout-scale).
-    - "one_row": one program (of 4 or 8 warps) a row at any size.
-    - "warp_row": one program of one warp a row: the row-wide reductions (amax, RAC's
-      energies and selection) are warp shuffles, with no barrier."""
-    if layout not in QUANT_LAYOUTS:
-        raise ValueError(f"layout={layout!r}: expected one of {QUANT_LAYOUTS}")
+def quant_config(t: int, k: int, num_sms: int | None = None) -> QuantConfig:
+    """The quantizer's tiles for T rows of K channels: rows of K >= 512 channels take at least
+    two programs each (``parts``), and decode sizes (few tokens) split further until about one
+    wave runs (T=16: 8 parts, T=64: 2); 1024 tokens and more take two rows a program. This
+    measured the fastest at every rollout shape on an H100, against one program of 8 warps a
+    row and one warp a row, with or without RAC (benchmarks/results/2026-12-06-h100-quant-operand:
+    one program a row 7-48x slower, one warp a row 3-18x; the latter 1.8x slower end to end)."""
     num_sms = num_sms or device_sms()
-    block_rows = 1 if t < 1024 or layout != "auto" else 2
+    block_rows = 1 if t < 1024 else 2
     programs = -(-t // block_rows)
     parts = 1
-    while layout == "auto" and k % (parts * 2 * MIN_PART) == 0 and (parts == 1 or programs * parts * 2 <= num_sms):
+    while k % (parts * 2 * MIN_PART) == 0 and (parts == 1 or programs * parts * 2 <= num_sms):
         parts *= 2
     chunk = 1024
     while (k // parts) % chunk:
@@ -109,7 +103,7 @@ def quant_config(t: int, k: int, num_sms: int | None = None, layout: str = "auto
     # of T=16, K=4096, RAC 0.5 (benchmarks/results/2026-12-05-offline-sass-quant): 8 parts of
     # 512-channel chunks on 8 warps issue 3568 warp instructions per scheduler, one program a
     # row 7216 (each program issues fewer; the rows' other channels are loaded, not stored)
-    warps = 1 if layout == "warp_row" else 8 if chunk >= 512 else 4
+    warps = 8 if chunk >= 512 else 4
     return QuantConfig(block_rows=block_rows, chunk=chunk, num_warps=warps, parts=parts)
 
 
@@ -315,7 +309,7 @@ def default_order(k: int):
 
 
 def quantize_operand(x, *, rac_ratio: float = 0.0, order=("plain", 16), rows: int | None = None, backend=None,
-                     config: QuantConfig | str | None = None):
+                     config: QuantConfig | None = None):
     """x [T, K] -> (a, gx): the FP16 token operand of the NVFP4 GEMMs straight from BF16
     activations, per-token scales and RAC's per-token selection, in one kernel.
 
@@ -323,7 +317,7 @@ def quantize_operand(x, *, rac_ratio: float = 0.0, order=("plain", 16), rows: in
     of q(x), or with ``rac_ratio > 0`` RAC's compensated ``dq(q(x)) + dq(q(r_sel))`` over gx
     (``rac.compensated_values``: summed in float32, rounded once to FP16), each channel in
     the column ``tile_math.operand_columns`` gives for ``order``; gx [T, 1] the global
-    scales. ``config``: a QuantConfig, or a layout name for ``quant_config`` (None: "auto").
+    scales. ``config``: the kernel's tiles (None: ``quant_config``'s).
     ``backend="xla"``: the same bits from ``quantize_activations_rac``'s codes."""
     _check_x(x)
     rac.check_rac(rac_ratio, "token")
@@ -332,8 +326,9 @@ def quantize_operand(x, *, rac_ratio: float = 0.0, order=("plain", 16), rows: in
     if rows < t:
         raise ValueError(f"rows={rows}: expected at least T={t}")
     cols = operand_columns(np.arange(k), order)  # also checks order
-    if not isinstance(config, QuantConfig):  # a layout name, or None for the heuristic
-        config = quant_config(t, k, layout=config or "auto")
+    config = config or quant_config(t, k)
+    if not isinstance(config, QuantConfig):
+        raise ValueError(f"config: expected a QuantConfig or None, got {config!r}")
     config.check(k)  # checked whatever path runs
     if resolve_backend(backend) == "xla":
         xq, rq = quantize_activations_rac(x, rac_ratio=rac_ratio, act_scale="token")
@@ -382,7 +377,7 @@ class QuantizedRows:
 
 
 def quantize_rows(x, *, rac_ratio: float = 0.0, rac_mode: str = "token", order=None, backend=None,
-                  config: QuantConfig | str | None = None) -> QuantizedRows:
+                  config: QuantConfig | None = None) -> QuantizedRows:
     """x [T, K] -> QuantizedRows (the rollout's activations, per-token scales), in ``order``
     (default ``default_order(K)``)."""
     if rac_mode != "token":

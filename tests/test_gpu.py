@@ -149,16 +149,17 @@ def test_quantizer_jitted_on_gpu_equals_the_cpu_reference(t, k):
 
 
 @pytest.mark.parametrize("t,k", [(16, 2048), (256, 2048)])
-@pytest.mark.parametrize("layout", ["one_row", "warp_row"])
-def test_per_token_quantizer_layouts_and_selections_are_bit_identical(t, k, layout):
-    """The other layouts and the explicit selections give the default's bits."""
+@pytest.mark.parametrize("tiles", [dict(parts=1), dict(parts=1, num_warps=1), dict(num_warps=4)], ids=["one_row", "warp_row", "w4"])
+def test_per_token_quantizer_tiles_and_selections_are_bit_identical(t, k, tiles):
+    """Other tiles (one program a row, one warp a row, fewer warps) and the explicit
+    selections give the default's bits."""
     import dataclasses
 
     from pallas_kernels.quantizer import quant_config
 
     rng = np.random.default_rng()
     x = jnp.asarray(rng.standard_normal((t, k)) * np.exp(rng.standard_normal((1, k))), jnp.bfloat16)
-    base = quant_config(t, k, layout=layout)
+    base = dataclasses.replace(quant_config(t, k), **tiles)
     for rho, select in ((0.0, "auto"), (0.5, "rank"), (0.5, "bisect")):
         cfg = dataclasses.replace(base, select=select)
         a = pk.quantize_operand(x, rac_ratio=rho, order=pk.default_order(k), backend="pallas", config=cfg)

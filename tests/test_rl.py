@@ -293,9 +293,6 @@ def test_job_config_keys_and_cli_overrides(tmp_path):
     assert P.rollout_recipe("quads", 0.25, "xla").rac_ratio == 0.25
     with pytest.raises(ValueError, match="kernels.backend='triton'"):
         loop.JobConfig.load(path, {"kernels.backend": "triton"})
-    assert loop.JobConfig.load(path, {"kernels.quant_layout": "warp_row"}).kernels.quant_layout == "warp_row"
-    with pytest.raises(ValueError, match="kernels.quant_layout='rows'"):
-        loop.JobConfig.load(path, {"kernels.quant_layout": "rows"})
     with pytest.raises(ValueError, match="unknown keys"):
         loop.JobConfig.load(path, {"kernels.tile": 64})
     with pytest.raises(ValueError, match="unknown top-level keys"):

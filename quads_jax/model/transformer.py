@@ -70,7 +70,7 @@ class Transformer(nnx.Module):
         """Logits in float32 for hidden states x [..., d] (after the final norm), through the
         head weight ``w`` (default ``head_weight()``): compute-dtype operands, FP32 accumulation."""
         return P.linear(x, self.head_weight() if w is None else w, prec.mode("lm_head"), dtype=jnp.float32,
-                        backend=prec.backend, operand_dtype=self.cfg.dtype, quant_layout=prec.kernels.quant_layout)
+                        backend=prec.backend, operand_dtype=self.cfg.dtype)
 
     def forward(self, tokens, *, mask=None, positions=None, cache=None, precision=None, forced_experts=None, expert_fn=None,
                 head=True):
