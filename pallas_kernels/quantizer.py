@@ -114,14 +114,14 @@ def _split_blocks(v, rows, chunk):
     return v.reshape(rows, chunk // 16, 8)
 
 
-def _row_global_scale(x_ref, row_sl, row_ok, k, arith):
+def _row_global_scale(chunks, arith):
     """Per-row ``amax(|x|) / (6 * 448)`` (1.0 for an all-zero row), as ``nvfp4.global_scale_for``,
-    from a load of the whole row of its own. The amax never shares a loaded tensor with the
-    block quantization: on the H100 a chunk loaded once and used by both (the reduction and
-    the block reshape) made the kernel 6-45x slower (one program a row at rho 0, and RAC's
-    whole-row energy pass; benchmarks/results/2026-12-06-h100-fake-quant-kernel)."""
-    xr = plgpu.load(x_ref.at[row_sl, pl.ds(0, k)], mask=row_ok, other=0.0)
-    gs = arith.div(jnp.max(jnp.abs(xr.astype(jnp.float32)), axis=1, keepdims=True), nvfp4.E2M1_MAX * nvfp4.E4M3_MAX)
+    from the row's loaded (even, odd) chunks: elementwise maxima, then one reduction."""
+    m = None
+    for xe, xo in chunks:
+        mj = jnp.maximum(jnp.abs(xe.astype(jnp.float32)), jnp.abs(xo.astype(jnp.float32)))
+        m = mj if m is None else jnp.maximum(m, mj)
+    gs = arith.div(m.max(1, keepdims=True), nvfp4.E2M1_MAX * nvfp4.E4M3_MAX)
     return jnp.where(gs == 0, 1.0, gs)
 
 
@@ -225,22 +225,23 @@ def _quant_kernel(x_ref, a_ref, gx_ref, *, t, k, cfg, n_sel, arith, interpret, o
     row_ok = (i * bm + jnp.arange(bm) < t)[:, None]
     load = lambda start: load_even_odd(x_ref, row_sl, start, c, row_ok, interpret, other=0.0)
     # the owned chunks start at channel p * own + j * c (the program index times a constant,
-    # never a division: see gemm_tile_loop); the whole row is read again for the amax, and
-    # with RAC and parts > 1 for the residual energies (a few KB from L2)
+    # never a division: see gemm_tile_loop); with parts > 1 the whole row is loaded too, for
+    # the amax and the residual energies, and kept in registers (K / (32 num_warps) a thread)
     at = lambda j: p * own + j * c
+    row = [load(j * c) for j in range(k // c)] if cfg.parts > 1 else None
     chunks = [load(at(j)) for j in range(own // c)]
-    gx = _row_global_scale(x_ref, row_sl, row_ok, k, arith)  # [bm, 1]
+    gx = _row_global_scale(row or chunks, arith)  # [bm, 1]
     plgpu.store(gx_ref.at[row_sl, :], gx, mask=row_ok & (p == 0))
     owned = [_quantize_chunk(xe, xo, gx, bm, c, arith) for xe, xo in chunks]
     second = [None] * len(owned)
     if n_sel > 0:
         residuals = [_residual(q, gx, arith) for q in owned]
         own_energy = [e for _, _, e in residuals]
-        # with parts > 1 the row's energies come from its whole, loaded and quantized once
-        # more here (the owned chunks' share again: their index is the program's, not a constant)
+        # with parts > 1 the row's energies come from its whole, quantized once more here
+        # (the owned chunks' share again: their index is the program's, not a constant)
         if n_sel < k // 16:
-            row_energy = own_energy if cfg.parts == 1 else [
-                _residual(_quantize_chunk(*load(j * c), gx, bm, c, arith), gx, arith)[-1] for j in range(k // c)]
+            row_energy = own_energy if row is None else [_residual(_quantize_chunk(xe, xo, gx, bm, c, arith), gx, arith)[-1]
+                                                        for xe, xo in row]
             selected = _top_blocks(own_energy, row_energy, n_sel, bm, cfg.select)
         else:  # rho 1: every block (a NaN energy is unselected, as in the reference's comparison)
             selected = [e == e for e in own_energy]
