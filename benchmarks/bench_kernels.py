@@ -53,7 +53,7 @@ class Case:
     fn: Callable
     args: tuple
     ref: Callable | None = None   # the XLA reference, same signature: checked before timing
-    exact: bool = False           # bits must equal the reference's (else relative error < tol)
+    exact: bool = False           # bits must equal the reference's, run on the CPU (else relative error < tol)
     tol: float = 5e-3
     truth: Any = None             # FP32 products of the unquantized operands: error reported
     bytes: float = 0.0
@@ -79,7 +79,7 @@ def _nbytes(*trees) -> float:
 def quant_cases(tiny: bool):
     """The rollout's activation quantizer (``quantize_operand``: BF16 x -> the GEMMs' FP16 token
     operand in the word decode's channel order, per-token scales, RAC) at the rollout's shapes,
-    in three layouts and with each RAC selection, against the XLA reference's bits."""
+    with other tiles and selections, against the XLA reference's bits."""
     import jax.numpy as jnp
 
     import pallas_kernels as pk
@@ -331,7 +331,14 @@ def run_case(c: Case, measure, ceil: dict, refs: dict) -> dict:
         y = jax.jit(c.fn)(*c.args)
         if c.ref is not None:
             key = (c.shape, id(c.ref))
-            if key not in refs:
+            if key not in refs and c.exact:
+                # the format's bits: the XLA reference run on the CPU. Jitted for the GPU it
+                # departs from them in rare blocks (one E4M3 scale step; tests/test_gpu.py), where
+                # the Pallas kernels agree with the CPU
+                cpu = jax.devices("cpu")[0]
+                with jax.default_device(cpu):
+                    refs[key] = jax.device_get(jax.jit(c.ref)(*jax.device_put(c.args, cpu)))
+            elif key not in refs:
                 refs[key] = jax.block_until_ready(jax.jit(c.ref)(*c.args))
             if c.exact:
                 row["check"] = "bit-exact" if _bits_equal(y, refs[key]) else "BITS DIFFER"
@@ -367,7 +374,7 @@ def mark_fastest(rows: list[dict]) -> None:
 def markdown(data: dict) -> str:
     lines = H.header(data, "Kernel benchmark")
     lines += ["x limit: time over the bytes the op must move at the measured copy bandwidth; peak: FLOPs over the measured "
-              "BF16 matmul rate; check: against the XLA reference; fp32: error against FP32 products of the unquantized "
+              "BF16 matmul rate; check: against the XLA reference (bit checks: run on the CPU); fp32: error against FP32 products of the unquantized "
               "operands; **bold**: the implementation the library runs by default.", ""]
     for regime, rows in data["sections"].items():
         if regime == "ceilings" or not isinstance(rows, list):

@@ -124,6 +124,30 @@ def where_bits_differ(a, b) -> str:
     return f"{len(bad)} of {a.size} differ (rows {sorted(set(int(i) for i in bad[:, 0]))[:8]}...), first {first}"
 
 
+def test_xla_division_and_e4m3_rounding_jitted_on_gpu_equal_the_cpu():
+    """The reference's two rounding-sensitive pieces (``nvfp4.ieee_div``, ``round_e4m3`` of a
+    block scale), jitted for the GPU and for the CPU, on quotients near E4M3 rounding
+    midpoints: which of them makes XLA:GPU's reference depart from the CPU's in rare blocks."""
+    from quads_jax import nvfp4
+
+    rng = np.random.default_rng()
+    n = 1 << 22
+    b = np.float32(rng.uniform(1e-4, 1e-2)) * np.ones(n, np.float32)
+    a = (rng.uniform(0.5, 448, n) * b * 6).astype(np.float32)
+    cpu = jax.devices("cpu")[0]
+    fns = {"ieee_div": lambda a, b: nvfp4.ieee_div(nvfp4.ieee_div(a, 6.0), b),
+           "ieee_div + round_e4m3": lambda a, b: nvfp4.round_e4m3(jnp.clip(nvfp4.ieee_div(nvfp4.ieee_div(a, 6.0), b), 2.0**-6, 448.0)),
+           "long_div": lambda a, b: nvfp4.long_div(nvfp4.long_div(a, jnp.full_like(a, 6.0)), b)}
+    problems = []
+    for name, f in fns.items():
+        with jax.default_device(cpu):
+            want = jax.device_get(jax.jit(f)(jax.device_put(a, cpu), jax.device_put(b, cpu)))
+        d = where_bits_differ(jax.device_get(jax.jit(f)(a, b)), want)
+        if d:
+            problems.append(f"{name}: {d}")
+    assert not problems, "\n".join(problems)
+
+
 QUANT_SHAPES = [(16, 2048), (64, 1024), (256, 1024), (256, 2048), (2048, 512)]  # the kernel registry's and the rollout's
 
 
