@@ -65,14 +65,24 @@ def ieee_div(a, b):
     Plain float32 division is not: XLA on the H200 divides approximately (30% of random
     quotients one ulp off, measured in benchmarks/results), Triton emits ``div.full.f32``,
     and XLA on the CPU rewrites a division by a broadcast scalar into a reciprocal
-    multiply. The NVFP4 recipe's divisions decide codes at rounding boundaries, so they go
-    through float64 here: float32 operands are exact in float64, the float64 quotient is
-    correctly rounded, and rounding it to float32 is then exact too (53 >= 2 * 24 + 2
-    bits, so double rounding cannot err for a quotient). The divisor is a full-shape
-    value behind an optimization barrier, so no reciprocal rewrite applies. Kernels use
-    PTX ``div.rn.f32`` instead (``pallas_kernels.tile_math``); ``long_div`` is an
-    independent int32 check.
+    multiply. The NVFP4 recipe's divisions decide codes at rounding boundaries, so on the
+    CPU they go through float64 (``f64_div``) and elsewhere through ``long_div``'s integer
+    arithmetic: jitted for the GPU, the float64 route came back with the approximate float32
+    quotient (22% of random quotients one ulp off on an H100, tests/test_gpu.py, 2026-12-06),
+    which moved an E4M3 block scale one step in about one block in a million. The choice is
+    made per lowering platform (``jax.lax.platform_dependent``), never by process state.
+    Kernels use PTX ``div.rn.f32`` (``pallas_kernels.tile_math``).
     """
+    a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
+    return jax.lax.platform_dependent(a, b, cpu=f64_div, default=long_div)
+
+
+def f64_div(a, b):
+    """float32 ``a / b`` through float64: correctly rounded where the backend computes in
+    float64 (float32 operands are exact in float64, and rounding the correctly rounded
+    float64 quotient to float32 cannot err: 53 >= 2 * 24 + 2 bits). The divisor is a
+    full-shape value behind an optimization barrier, so no reciprocal rewrite applies.
+    XLA:GPU does not keep it (see ``ieee_div``)."""
     a, b = jnp.broadcast_arrays(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
     with jax.enable_x64(True):
         b64 = jax.lax.optimization_barrier(b.astype(jnp.float64))
