@@ -52,9 +52,10 @@ class QuantConfig:
     chunk: int = 1024
     num_warps: int = 4
     num_stages: int = 1
-    # RAC's in-kernel top fraction: "rank" (all-pairs count), "bisect" (31 counting steps) or
-    # "auto" (rank for rows of up to RANK_MAX_BLOCKS blocks, else bisect); the same selection
-    # either way. Rank measured fastest at every rollout shape on an H100, against bisection
+    # RAC's top fraction: "rank" (all-pairs count), "bisect" (31 counting steps), "auto" (rank
+    # for rows of up to RANK_MAX_BLOCKS blocks, else bisect), or "split" (a first kernel writes
+    # the residual energies, XLA ranks them, the kernel reads the selection: no whole-row pass
+    # in the kernel, which the H100 runs 8x slower than the rest of it); the same selection. Rank measured fastest at every rollout shape on an H100, against bisection
     # and a radix select (benchmarks/results/2026-12-06-h100-quant-operand)
     select: str = "auto"
     # programs per token row, each owning K / parts channels (a power of two; the same bits
@@ -77,7 +78,7 @@ class QuantConfig:
             raise ValueError(f"config: QuantConfig.chunk={self.chunk} must divide K={k} / parts={self.parts}")
 
 
-SELECTS = ("auto", "rank", "bisect")
+SELECTS = ("auto", "rank", "bisect", "split")
 
 
 MIN_PART = 256  # channels a program owns at the least (one 16-block of RAC selection work a warp)
@@ -215,10 +216,10 @@ def _store_operand(a_ref, rows_idx, rows_ok, start, quantized, residual, rows, c
         plgpu.store(a_ref.at[rows_idx, cols], v.reshape(rows, c // 2).astype(jnp.float16), mask=rows_ok)
 
 
-def _quant_kernel(x_ref, a_ref, gx_ref, *, t, k, cfg, n_sel, arith, interpret, order):
-    """One program: ``block_rows`` token rows x the channels of part ``program_id(1)``.
-    Input: x [T, K]. Outputs: the FP16 operand ``a_ref`` [rows, K] in the column ``order``
-    (rows from T on written as zeros) and the per-token global scales ``gx_ref`` [T, 1]."""
+def _program_rows(x_ref, *, t, k, cfg, arith, interpret):
+    """What every quantizer program starts from: its rows (slice, in-range mask), the start
+    channel of its j-th owned chunk, the chunks loaded, the whole row's chunks (parts > 1:
+    for the amax and the residual energies; None otherwise) and the global scales [bm, 1]."""
     bm, c, own = cfg.block_rows, cfg.chunk, k // cfg.parts
     i, p = pl.program_id(0), pl.program_id(1)
     row_sl = pl.ds(i * bm, bm)
@@ -230,7 +231,26 @@ def _quant_kernel(x_ref, a_ref, gx_ref, *, t, k, cfg, n_sel, arith, interpret, o
     at = lambda j: p * own + j * c
     row = [load(j * c) for j in range(k // c)] if cfg.parts > 1 else None
     chunks = [load(at(j)) for j in range(own // c)]
-    gx = _row_global_scale(row or chunks, arith)  # [bm, 1]
+    return row_sl, row_ok, at, chunks, row, _row_global_scale(row or chunks, arith)
+
+
+def _energy_kernel(x_ref, e_ref, *, t, k, cfg, arith, interpret):
+    """``select="split"``'s first pass: the residual energies of the owned blocks, e_ref [T, K/16]."""
+    row_sl, row_ok, at, chunks, _, gx = _program_rows(x_ref, t=t, k=k, cfg=cfg, arith=arith, interpret=interpret)
+    c, p, own = cfg.chunk, pl.program_id(1), k // cfg.parts
+    for j, (xe, xo) in enumerate(chunks):
+        e = _residual(_quantize_chunk(xe, xo, gx, cfg.block_rows, c, arith), gx, arith)[-1]  # [bm, c / 16]
+        plgpu.store(e_ref.at[row_sl, pl.ds(p * (own // 16) + j * (c // 16), c // 16)], e, mask=row_ok)
+
+
+def _quant_kernel(x_ref, sel_ref, a_ref, gx_ref, *, t, k, cfg, n_sel, arith, interpret, order):
+    """One program: ``block_rows`` token rows x the channels of part ``program_id(1)``.
+    Inputs: x [T, K] and, for ``select="split"``, the selected blocks ``sel_ref`` [T, K/16]
+    (int8; else None). Outputs: the FP16 operand ``a_ref`` [rows, K] in the column ``order``
+    (rows from T on written as zeros) and the per-token global scales ``gx_ref`` [T, 1]."""
+    bm, c, own = cfg.block_rows, cfg.chunk, k // cfg.parts
+    i, p = pl.program_id(0), pl.program_id(1)
+    row_sl, row_ok, at, chunks, row, gx = _program_rows(x_ref, t=t, k=k, cfg=cfg, arith=arith, interpret=interpret)
     plgpu.store(gx_ref.at[row_sl, :], gx, mask=row_ok & (p == 0))
     owned = [_quantize_chunk(xe, xo, gx, bm, c, arith) for xe, xo in chunks]
     second = [None] * len(owned)
@@ -239,7 +259,10 @@ def _quant_kernel(x_ref, a_ref, gx_ref, *, t, k, cfg, n_sel, arith, interpret, o
         own_energy = [e for _, _, e in residuals]
         # with parts > 1 the row's energies come from its whole, quantized once more here
         # (the owned chunks' share again: their index is the program's, not a constant)
-        if n_sel < k // 16:
+        if sel_ref is not None:
+            selected = [plgpu.load(sel_ref.at[row_sl, pl.ds(p * (own // 16) + j * (c // 16), c // 16)], mask=row_ok, other=0) != 0
+                        for j in range(len(owned))]
+        elif n_sel < k // 16:
             row_energy = own_energy if row is None else [_residual(_quantize_chunk(xe, xo, gx, bm, c, arith), gx, arith)[-1]
                                                         for xe, xo in row]
             selected = _top_blocks(own_energy, row_energy, n_sel, bm, cfg.select)
@@ -257,17 +280,30 @@ def _quant_kernel(x_ref, a_ref, gx_ref, *, t, k, cfg, n_sel, arith, interpret, o
 @functools.partial(jax.jit, static_argnames=("n_sel", "cfg", "interpret", "order", "rows"))
 def _quant_call(x, *, n_sel, cfg, interpret, order, rows):
     """(the FP16 operand [rows, K] in ``order``, the global scales [T, 1]); x's rows from T to
-    ``rows`` are zero (interpret mode pads x, which it loads clamped)."""
+    ``rows`` are zero (interpret mode pads x, which it loads clamped). With ``select="split"``
+    and 0 < n_sel < K/16: a first kernel writes the blocks' residual energies, one XLA fusion
+    ranks them (``_top_blocks``' all-pairs count, the same selection), and the kernel reads
+    the selected blocks instead of finding them itself."""
     t, k = x.shape
+    arith = kernel_arith(interpret)
+    params = plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    sel = None
+    if cfg.select == "split" and 0 < n_sel < k // 16:
+        e = pl.pallas_call(
+            functools.partial(_energy_kernel, t=t, k=k, cfg=cfg, arith=arith, interpret=interpret),
+            out_shape=jax.ShapeDtypeStruct((x.shape[0], k // 16), jnp.float32),
+            grid=(pl.cdiv(x.shape[0], cfg.block_rows), cfg.parts), compiler_params=params, interpret=interpret,
+            name="nvfp4_residual_energies",
+        )(x)
+        sel = _top_blocks([e], [e], n_sel, e.shape[0], "rank")[0].astype(jnp.int8)
     return pl.pallas_call(
-        functools.partial(_quant_kernel, t=t, k=k, cfg=cfg, n_sel=n_sel, arith=kernel_arith(interpret), interpret=interpret,
-                          order=order),
+        functools.partial(_quant_kernel, t=t, k=k, cfg=cfg, n_sel=n_sel, arith=arith, interpret=interpret, order=order),
         out_shape=(jax.ShapeDtypeStruct((rows, k), jnp.float16), jax.ShapeDtypeStruct((t, 1), jnp.float32)),
         grid=(pl.cdiv(rows, cfg.block_rows), cfg.parts),
-        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+        compiler_params=params,
         interpret=interpret,
         name="nvfp4_quantize_activations",
-    )(x)
+    )(x, sel)
 
 
 # ----------------------------------------------------------------------------- public API

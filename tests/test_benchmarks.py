@@ -21,10 +21,10 @@ def _run(script, out, *args):
 
 @pytest.mark.slow
 def test_kernel_registry_checks_every_case_against_its_reference(tmp_path):
-    _run("bench_kernels.py", tmp_path, "--regimes", "quant,dense,grouped,attention")
+    _run("bench_kernels.py", tmp_path, "--regimes", "quant,weight_quant,dense,grouped,attention")
     res = json.load(open(tmp_path / "kernels.json"))
-    assert set(res["sections"]) >= {"ceilings", "quant", "dense", "grouped", "attention"}
-    for regime in ("quant", "dense", "grouped", "attention"):
+    assert set(res["sections"]) >= {"ceilings", "quant", "weight_quant", "dense", "grouped", "attention"}
+    for regime in ("quant", "weight_quant", "dense", "grouped", "attention"):
         rows = res["sections"][regime]
         kept = [r for r in rows if r.get("kept")]
         assert kept, regime
@@ -33,7 +33,7 @@ def test_kernel_registry_checks_every_case_against_its_reference(tmp_path):
             assert r["check"] == "bit-exact" if regime == "quant" else "FAILS" not in r["check"], r
             assert r["us"] > 0 and "fastest" in r
     md = open(tmp_path / "kernels.md").read()
-    assert "## quant" in md and "**pallas auto auto**" in md
+    assert "## quant" in md and "**pallas default**" in md
 
 
 @pytest.mark.slow

@@ -436,7 +436,7 @@ def test_quantizer_row_split_is_bit_identical(rng):
     blocks[2, 6:10] = blocks[2, 0]  # a tie spanning parts (16-channel blocks 6..9 cross channel 128)
     x = jnp.asarray(blocks.reshape(11, 512)).astype(jnp.bfloat16).at[4].set(0.0)  # and an all-zero token
     for rho in (0.0, 0.25):
-        for parts, chunk, select in ((2, 128, "rank"), (4, 64, "bisect"), (2, 64, "rank"), (8, 64, "auto")):
+        for parts, chunk, select in ((2, 128, "rank"), (4, 64, "bisect"), (2, 64, "rank"), (8, 64, "auto"), (4, 64, "split")):
             assert_operand_equal(x, rho, pk.QuantConfig(chunk=chunk, parts=parts, select=select), order=("words", 128))
 
 
@@ -452,7 +452,7 @@ def test_quant_config_splits_rows_at_decode_sizes():
         assert (k // cfg.parts) % cfg.chunk == 0 and cfg.chunk // 2 >= 32 * cfg.num_warps
 
 
-@pytest.mark.parametrize("select", ["bisect", "rank"])
+@pytest.mark.parametrize("select", ["bisect", "rank", "split"])
 def test_rac_selections_equal_xla_with_ties(rng, select):
     x = heavy(rng, (9, 512))
     blocks = x.reshape(9, 32, 16)
