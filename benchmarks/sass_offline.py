@@ -172,9 +172,9 @@ def weight_quant_cases(shapes=((64 * 1024, 1024), (1024, 1024))):
     WQ = importlib.import_module("pallas_kernels.weight_quant")
     for r, k in shapes:
         cfg = WQ.fake_quant_config(r, k)
-        w, gs = jnp.ones((r, k), jnp.float32), jnp.ones((r, 1), jnp.float32)
-        fn = lambda cfg=cfg, w=w, gs=gs: jax.jit(
-            lambda a, b: WQ._call(a, b, dtype=jnp.bfloat16, cfg=cfg, interpret=False)).trace(w, gs).lower(lowering_platforms=("cuda",))
+        w, amax = jnp.ones((r, k), jnp.float32), jnp.ones((r, 1), jnp.float32)
+        fn = lambda cfg=cfg, w=w, amax=amax: jax.jit(
+            lambda a, b: WQ._call(a, b, dtype=jnp.bfloat16, cfg=cfg, interpret=False)).trace(w, amax).lower(lowering_platforms=("cuda",))
         yield f"weight fake-quant R{r} K{k} {cfg.block_rows}x{cfg.block_k} w{cfg.num_warps}", fn, cfg
 
 

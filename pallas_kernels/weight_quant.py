@@ -14,7 +14,8 @@ the straight-through identity (``nvfp4.straight_through``): the dynamic global s
 every element inside the representable range.
 
 Layout: the weight as rows [R = E N, K]; program (i, j) owns ``block_rows`` rows and
-``block_k`` channels, and reads the rows' global scales [R, 1].
+``block_k`` channels, and reads the rows' matrix amax [R, 1], which it turns into the global
+scale with the kernels' correctly rounded division.
 """
 
 from __future__ import annotations
@@ -66,19 +67,21 @@ def fake_quant_config(rows: int, k: int) -> FakeQuantConfig:
     return FakeQuantConfig(block_rows=br, block_k=max(bk, nvfp4.BLOCK))
 
 
-def _kernel(w_ref, gs_ref, y_ref, *, arith):
+def _kernel(w_ref, amax_ref, y_ref, *, arith):
     br, bk = w_ref.shape
     nb = bk // nvfp4.BLOCK
     xb = w_ref[...].astype(jnp.float32).reshape(br, nb, 1, nvfp4.BLOCK)  # blocks of one on axis 2
-    g = gs_ref[...][:, :, None]  # [br, 1, 1]
+    # the global scale from the matrix's amax, as nvfp4.global_scale_for, with the kernel's division
+    gs = arith.div(amax_ref[...], nvfp4.E2M1_MAX * nvfp4.E4M3_MAX)  # [br, 1]
+    gs = jnp.where(gs == 0, 1.0, gs)
     amax = jnp.abs(xb).max(-1)  # [br, nb, 1]
-    q, s = nvfp4.quantize_blocks(xb, amax, g, arith=arith)
-    y = (q[:, :, 0, :] * s).reshape(br, bk) * gs_ref[...]  # block values exact, times gs rounded once
+    q, s = nvfp4.quantize_blocks(xb, amax, gs[:, :, None], arith=arith)
+    y = (q[:, :, 0, :] * s).reshape(br, bk) * gs  # block values exact, times gs rounded once
     y_ref[...] = y.astype(y_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("dtype", "cfg", "interpret"))
-def _call(w2, gs_rows, *, dtype, cfg, interpret):
+def _call(w2, amax_rows, *, dtype, cfg, interpret):
     r, k = w2.shape
     spec = pl.BlockSpec((cfg.block_rows, cfg.block_k), lambda i, j: (i, j))
     return pl.pallas_call(
@@ -90,7 +93,7 @@ def _call(w2, gs_rows, *, dtype, cfg, interpret):
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=1),
         interpret=interpret,
         name="nvfp4_fake_quant_weight",
-    )(w2, gs_rows)
+    )(w2, amax_rows)
 
 
 def weight_fake_quant(w, *, dtype=None, backend=None, config: FakeQuantConfig | None = None):
@@ -111,7 +114,10 @@ def weight_fake_quant(w, *, dtype=None, backend=None, config: FakeQuantConfig | 
     rows = w.size // k
     config = config or fake_quant_config(rows, k)
     config.check(rows, k)
-    gs = nvfp4.global_scale_for(wc, keep_axes=keep)  # [E, 1, 1] or a scalar
-    gs_rows = jnp.broadcast_to(gs, (*w.shape[:-1], 1)).reshape(rows, 1)
-    y = _call(wc.reshape(rows, k), gs_rows, dtype=dtype, cfg=config, interpret=interpret_mode())
+    # the amax per matrix (an exact XLA reduction); the kernel divides it into the global
+    # scale itself, so no XLA division runs on the step's path (on a GPU, ``nvfp4.ieee_div``
+    # is an integer loop)
+    amax = jnp.max(jnp.abs(wc.astype(jnp.float32)), axis=(-2, -1), keepdims=True)  # [E, 1, 1] or [1, 1]
+    amax_rows = jnp.broadcast_to(amax, (*w.shape[:-1], 1)).reshape(rows, 1)
+    y = _call(wc.reshape(rows, k), amax_rows, dtype=dtype, cfg=config, interpret=interpret_mode())
     return nvfp4.straight_through(w, y.reshape(w.shape))
