@@ -440,6 +440,15 @@ def test_quantizer_row_split_is_bit_identical(rng):
             assert_operand_equal(x, rho, pk.QuantConfig(chunk=chunk, parts=parts, select=select), order=("words", 128))
 
 
+def test_split_selection_with_two_rows_a_program_and_padded_rows(rng):
+    """``select="split"`` (energies from a first kernel, ranked by XLA) with two token rows a
+    program, an odd T and operand rows padded past T: the reference's bits, rho 0 / 0.5 / 1."""
+    x = jnp.asarray(heavy(rng, (11, 256))).astype(jnp.bfloat16)
+    for cfg in (pk.QuantConfig(block_rows=2, chunk=64, parts=2, select="split"), pk.QuantConfig(block_rows=2, chunk=128, select="split")):
+        for rho in (0.5, 1.0, 0.0):
+            assert_operand_equal(x, rho, cfg, order=("words", 128), rows=16)
+
+
 def test_quant_config_splits_rows_at_decode_sizes():
     from pallas_kernels.quantizer import quant_config
 
