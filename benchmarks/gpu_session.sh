@@ -6,8 +6,6 @@
 #   kernels        benchmarks/bench_kernels.py: the kernel registry, checked then timed (KERNEL_REGIMES, KERNEL_MATCH)
 #   rollout_scale  benchmarks/bench_rollout.py: decode steps through the engine vs their byte limit (ROLLOUT_SCALE_ARGS)
 #   train          benchmarks/bench_train.py: the train step per config (TRAIN_ARGS)
-#   ptx            XLA's dump (HLO and the PTX it links, Pallas kernels included) of the activation
-#                  quantizer jitted at PTX_SHAPES ("T:K:rho[:parts] ..."), to compile and read offline
 # The device returns only a few files: each stage's log and outputs are appended to one tar,
 # $OUT/results.tar (extract with tar -xf), and removed.
 # Usage (device, from the repo root, with .whl carried: scripts/gpu_wheels.sh fills it here):
@@ -39,16 +37,7 @@ run_stage() {
     rollout_scale) stage "${ROLLOUT_SCALE_CAP:-330}" rollout_scale python3 benchmarks/bench_rollout.py --out "$o/rollout_scale" \
                      --budget $(( ${ROLLOUT_SCALE_CAP:-330} - 30 )) ${ROLLOUT_SCALE_ARGS:-} ;;
     train) stage "${TRAIN_CAP:-330}" train python3 benchmarks/bench_train.py --out "$o/train" --budget $(( ${TRAIN_CAP:-330} - 90 )) ${TRAIN_ARGS:-} ;;
-    ptx) stage "${PTX_CAP:-90}" ptx env XLA_FLAGS="--xla_dump_to=$o/ptx" python3 -c "
-import dataclasses, sys, jax, jax.numpy as jnp, pallas_kernels as pk
-for s in sys.argv[1:]:
-    t, k, r, parts = (s + ':0').split(':')[:4]
-    cfg = pk.quant_config(int(t), int(k))
-    cfg = dataclasses.replace(cfg, parts=int(parts) or cfg.parts)
-    f = jax.jit(lambda v: pk.quantize_operand(v, rac_ratio=float(r), order=pk.default_order(int(k)), config=cfg))
-    jax.block_until_ready(f(jnp.ones((int(t), int(k)), jnp.bfloat16)))
-    print(s, 'dumped')" ${PTX_SHAPES:-256:2048:0.5 256:2048:0.0 256:2048:0.0:1} ;;
-    *) echo "unknown stage $1 (expected gpu_tests, kernels, rollout_scale, train or ptx)"; return 1 ;;
+    *) echo "unknown stage $1 (expected gpu_tests, kernels, rollout_scale or train)"; return 1 ;;
   esac
 }
 for s in $STAGES; do run_stage "$s"; done

@@ -52,11 +52,12 @@ class QuantConfig:
     chunk: int = 1024
     num_warps: int = 4
     num_stages: int = 1
-    # RAC's top fraction: "rank" (all-pairs count), "bisect" (31 counting steps), "auto" (rank
-    # for rows of up to RANK_MAX_BLOCKS blocks, else bisect), or "split" (a first kernel writes
-    # the residual energies, XLA ranks them, the kernel reads the selection: no whole-row pass
-    # in the kernel, which the H100 runs 8x slower than the rest of it); the same selection. Rank measured fastest at every rollout shape on an H100, against bisection
-    # and a radix select (benchmarks/results/2026-12-06-h100-quant-operand)
+    # RAC's top fraction, the same selection whichever: "rank" (all-pairs count), "bisect" (31
+    # counting steps), "auto" (rank for rows of up to RANK_MAX_BLOCKS blocks, else bisect), or
+    # "split" (a first kernel writes the residual energies, XLA ranks them, the kernel reads the
+    # selection: no whole-row pass inside a kernel, which the H100 runs 8x slower than the rest
+    # of it; unmeasured). Rank measured fastest at every rollout shape on an H100, against
+    # bisection and a radix select (benchmarks/results/2026-12-06-h100-quant-operand)
     select: str = "auto"
     # programs per token row, each owning K / parts channels (a power of two; the same bits
     # for any value: see the module docstring)
@@ -104,8 +105,7 @@ def quant_config(t: int, k: int, num_sms: int | None = None) -> QuantConfig:
     # of T=16, K=4096, RAC 0.5 (benchmarks/results/2026-12-05-offline-sass-quant): 8 parts of
     # 512-channel chunks on 8 warps issue 3568 warp instructions per scheduler, one program a
     # row 7216 (each program issues fewer; the rows' other channels are loaded, not stored)
-    warps = 8 if chunk >= 512 else 4
-    return QuantConfig(block_rows=block_rows, chunk=chunk, num_warps=warps, parts=parts)
+    return QuantConfig(block_rows=block_rows, chunk=chunk, num_warps=8 if chunk >= 512 else 4, parts=parts)
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -217,9 +217,10 @@ def _store_operand(a_ref, rows_idx, rows_ok, start, quantized, residual, rows, c
 
 
 def _program_rows(x_ref, *, t, k, cfg, arith, interpret):
-    """What every quantizer program starts from: its rows (slice, in-range mask), the start
-    channel of its j-th owned chunk, the chunks loaded, the whole row's chunks (parts > 1:
-    for the amax and the residual energies; None otherwise) and the global scales [bm, 1]."""
+    """What every quantizer program starts from: its rows (slice, in-range mask), its j-th
+    owned chunk's start channel and its blocks' slice of a [T, K/16] array, the chunks loaded,
+    the whole row's chunks (parts > 1: for the amax and the residual energies; None
+    otherwise) and the global scales [bm, 1]."""
     bm, c, own = cfg.block_rows, cfg.chunk, k // cfg.parts
     i, p = pl.program_id(0), pl.program_id(1)
     row_sl = pl.ds(i * bm, bm)
@@ -231,16 +232,16 @@ def _program_rows(x_ref, *, t, k, cfg, arith, interpret):
     at = lambda j: p * own + j * c
     row = [load(j * c) for j in range(k // c)] if cfg.parts > 1 else None
     chunks = [load(at(j)) for j in range(own // c)]
-    return row_sl, row_ok, at, chunks, row, _row_global_scale(row or chunks, arith)
+    blocks = lambda j: pl.ds(p * (own // 16) + j * (c // 16), c // 16)
+    return row_sl, row_ok, at, blocks, chunks, row, _row_global_scale(row or chunks, arith)
 
 
 def _energy_kernel(x_ref, e_ref, *, t, k, cfg, arith, interpret):
     """``select="split"``'s first pass: the residual energies of the owned blocks, e_ref [T, K/16]."""
-    row_sl, row_ok, at, chunks, _, gx = _program_rows(x_ref, t=t, k=k, cfg=cfg, arith=arith, interpret=interpret)
-    c, p, own = cfg.chunk, pl.program_id(1), k // cfg.parts
+    row_sl, row_ok, _, blocks, chunks, _, gx = _program_rows(x_ref, t=t, k=k, cfg=cfg, arith=arith, interpret=interpret)
     for j, (xe, xo) in enumerate(chunks):
-        e = _residual(_quantize_chunk(xe, xo, gx, cfg.block_rows, c, arith), gx, arith)[-1]  # [bm, c / 16]
-        plgpu.store(e_ref.at[row_sl, pl.ds(p * (own // 16) + j * (c // 16), c // 16)], e, mask=row_ok)
+        e = _residual(_quantize_chunk(xe, xo, gx, cfg.block_rows, cfg.chunk, arith), gx, arith)[-1]  # [bm, c / 16]
+        plgpu.store(e_ref.at[row_sl, blocks(j)], e, mask=row_ok)
 
 
 def _quant_kernel(x_ref, sel_ref, a_ref, gx_ref, *, t, k, cfg, n_sel, arith, interpret, order):
@@ -248,21 +249,20 @@ def _quant_kernel(x_ref, sel_ref, a_ref, gx_ref, *, t, k, cfg, n_sel, arith, int
     Inputs: x [T, K] and, for ``select="split"``, the selected blocks ``sel_ref`` [T, K/16]
     (int8; else None). Outputs: the FP16 operand ``a_ref`` [rows, K] in the column ``order``
     (rows from T on written as zeros) and the per-token global scales ``gx_ref`` [T, 1]."""
-    bm, c, own = cfg.block_rows, cfg.chunk, k // cfg.parts
+    bm, c = cfg.block_rows, cfg.chunk
     i, p = pl.program_id(0), pl.program_id(1)
-    row_sl, row_ok, at, chunks, row, gx = _program_rows(x_ref, t=t, k=k, cfg=cfg, arith=arith, interpret=interpret)
+    row_sl, row_ok, at, blocks, chunks, row, gx = _program_rows(x_ref, t=t, k=k, cfg=cfg, arith=arith, interpret=interpret)
     plgpu.store(gx_ref.at[row_sl, :], gx, mask=row_ok & (p == 0))
     owned = [_quantize_chunk(xe, xo, gx, bm, c, arith) for xe, xo in chunks]
     second = [None] * len(owned)
     if n_sel > 0:
         residuals = [_residual(q, gx, arith) for q in owned]
         own_energy = [e for _, _, e in residuals]
-        # with parts > 1 the row's energies come from its whole, quantized once more here
-        # (the owned chunks' share again: their index is the program's, not a constant)
         if sel_ref is not None:
-            selected = [plgpu.load(sel_ref.at[row_sl, pl.ds(p * (own // 16) + j * (c // 16), c // 16)], mask=row_ok, other=0) != 0
-                        for j in range(len(owned))]
+            selected = [plgpu.load(sel_ref.at[row_sl, blocks(j)], mask=row_ok, other=0) != 0 for j in range(len(owned))]
         elif n_sel < k // 16:
+            # with parts > 1 the row's energies come from its whole, quantized once more here
+            # (the owned chunks' share again: their index is the program's, not a constant)
             row_energy = own_energy if row is None else [_residual(_quantize_chunk(xe, xo, gx, bm, c, arith), gx, arith)[-1]
                                                         for xe, xo in row]
             selected = _top_blocks(own_energy, row_energy, n_sel, bm, cfg.select)

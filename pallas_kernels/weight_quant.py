@@ -6,7 +6,7 @@ quantized along K (16-blocks, E4M3 block scales) with one dynamic global scale p
 (per expert), exactly as the rollout quantizes the synced weights. XLA computes it in several
 passes over the weight (the block amax, the elements up to an optimization barrier, the
 products after it), ~18 bytes moved per weight value. This kernel reads each FP32 value once
-and writes the BF16 result, after one XLA reduction for the global scales: 10 bytes a value.
+and writes the BF16 result, after one XLA reduction for each matrix's amax: 10 bytes a value.
 
 The kernel's numbers are ``nvfp4.fake_quant``'s bit for bit (the block math is
 ``nvfp4.quantize_blocks``, run with the kernels' correctly rounded division). The gradient is
@@ -64,7 +64,7 @@ def fake_quant_config(rows: int, k: int) -> FakeQuantConfig:
     br = 8
     while rows % br:
         br //= 2
-    return FakeQuantConfig(block_rows=br, block_k=max(bk, nvfp4.BLOCK))
+    return FakeQuantConfig(block_rows=br, block_k=bk)
 
 
 def _kernel(w_ref, amax_ref, y_ref, *, arith):
