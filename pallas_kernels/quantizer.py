@@ -52,12 +52,11 @@ class QuantConfig:
     chunk: int = 1024
     num_warps: int = 4
     num_stages: int = 1
-    # RAC's top fraction, the same selection whichever: "rank" (all-pairs count), "bisect" (31
-    # counting steps), "auto" (rank for rows of up to RANK_MAX_BLOCKS blocks, else bisect), or
-    # "split" (a first kernel writes the residual energies, XLA ranks them, the kernel reads the
-    # selection: no whole-row pass inside a kernel, which the H100 runs 8x slower than the rest
-    # of it; unmeasured). Rank measured fastest at every rollout shape on an H100, against
-    # bisection and a radix select (benchmarks/results/2026-12-06-h100-quant-operand)
+    # RAC's top fraction, the same selection whichever: in the kernel, "rank" (all-pairs
+    # count), "bisect" (31 counting steps) or "auto" (rank for rows of up to RANK_MAX_BLOCKS
+    # blocks, else bisect); or "split": a first kernel writes the residual energies, one XLA
+    # fusion ranks them, the kernel reads the selection (no whole-row pass inside a kernel).
+    # quant_config picks split below 1024 tokens and auto from there (see its docstring)
     select: str = "auto"
     # programs per token row, each owning K / parts channels (a power of two; the same bits
     # for any value: see the module docstring)
@@ -91,7 +90,10 @@ def quant_config(t: int, k: int, num_sms: int | None = None) -> QuantConfig:
     wave runs (T=16: 8 parts, T=64: 2); 1024 tokens and more take two rows a program. This
     measured the fastest at every rollout shape on an H100, against one program of 8 warps a
     row and one warp a row, with or without RAC (benchmarks/results/2026-12-06-h100-quant-operand:
-    one program a row 7-48x slower, one warp a row 3-18x; the latter 1.8x slower end to end)."""
+    one program a row 7-48x slower, one warp a row 3-18x; the latter 1.8x slower end to end).
+    RAC's selection is ``select="split"`` below 1024 tokens: on an H100 it took 14.8 us at
+    T=256, K=2048, rho 0.5 against 36.4 in-kernel (T=256, K=1024: 9.2 vs 20.0; T=64: 6.7 vs
+    8.6), and 17.7 against 14.3 at T=2048, K=512 (benchmarks/results/2026-12-06-h100-split-select)."""
     num_sms = num_sms or device_sms()
     block_rows = 1 if t < 1024 else 2
     programs = -(-t // block_rows)
@@ -105,7 +107,8 @@ def quant_config(t: int, k: int, num_sms: int | None = None) -> QuantConfig:
     # of T=16, K=4096, RAC 0.5 (benchmarks/results/2026-12-05-offline-sass-quant): 8 parts of
     # 512-channel chunks on 8 warps issue 3568 warp instructions per scheduler, one program a
     # row 7216 (each program issues fewer; the rows' other channels are loaded, not stored)
-    return QuantConfig(block_rows=block_rows, chunk=chunk, num_warps=8 if chunk >= 512 else 4, parts=parts)
+    return QuantConfig(block_rows=block_rows, chunk=chunk, num_warps=8 if chunk >= 512 else 4, parts=parts,
+                       select="split" if t < 1024 else "auto")
 
 
 # ----------------------------------------------------------------------------- kernel

@@ -403,7 +403,8 @@ def test_quantizer_per_token_scales_equal_xla(rng, rho):
     assert float(gx[3, 0]) == 1.0
     w = nvfp4.quantize(jnp.asarray(rng.standard_normal((64, 512)).astype(np.float32)))
     kernels = lambda **kw: str(jax.make_jaxpr(lambda v: pk.nvfp4_matmul(v, w, backend="pallas", **kw))(x)).count("pallas_call")
-    assert kernels(rac_ratio=rho, act_scale="token") == 2  # the quantizer and the GEMM
+    # the quantizer and the GEMM, and with RAC below 1024 tokens the split selection's energy pass
+    assert kernels(rac_ratio=rho, act_scale="token") == (3 if rho else 2)
     assert kernels(rac_ratio=rho, act_scale="tensor") == 0
     assert kernels(rac_ratio=0.5, rac_mode="channel", act_scale="token") == 0
     assert kernels(rac_ratio=0.5, rac_sum="exact", act_scale="token") == 0
