@@ -454,7 +454,8 @@ def test_quant_config_splits_rows_at_decode_sizes():
     from pallas_kernels.quantizer import quant_config
 
     assert [quant_config(t, 4096).parts for t in (1, 16, 64, 128, 4096)] == [16, 8, 2, 2, 2]
-    assert quant_config(2048, 512).parts == 2 and quant_config(256, 768).parts == 1  # two a row where K allows it
+    assert quant_config(256, 512).parts == 2 and quant_config(256, 768).parts == 1  # two a row where K allows it
+    assert quant_config(2048, 512).parts == 1 and quant_config(2048, 1024).parts == 2  # two-token programs: whole rows to 512
     assert quant_config(16, 2048).parts == 8 and quant_config(16, 1024).parts == 4  # each part owns >= 256 channels
     for t, k in ((1, 4096), (16, 4096), (64, 1024), (16, 768), (4096, 4096)):
         cfg = quant_config(t, k)
