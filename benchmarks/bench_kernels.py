@@ -16,7 +16,8 @@ Regimes (``--regimes``), each a list of ``Case``s built by one function below:
                    dots as peers
     grouped        the MoE expert GEMM at decode sizes (the bench model's and Qwen3-30B-A3B's
                    experts): ours (W4A4 + RAC, W4A4, W4A16; tokens quantized once, as the model
-                   does) against tokamax's BF16, FP8 and int4 kernels and lax.ragged_dot
+                   does) against tokamax's BF16, FP8 and int4 kernels and lax.ragged_dot; at
+                   the bench model's shapes W4A4 also with other tiles
     train_grouped  the trainer's expert GEMM, forward + backward (dx, dW): tokamax with our
                    tiles and dW kernel against its heuristic tiles, its Triton kernel and XLA
     attention      decode attention over a KV cache (the rollout's): Pallas against XLA
@@ -206,19 +207,29 @@ def grouped_cases(tiny: bool):
             shape = f"{name} T{t} ({e}x{k}->{n}, top-{topk})"
             io = 2 * t * k + 2 * t * topk * n
 
-            def ours(rho, mode="w4a4", backend="pallas"):
+            def ours(rho, mode="w4a4", backend="pallas", config=None):
                 def f(x, rows, gs, w):
                     xin = x if mode == "w4a16" else pk.quantize_rows(x, rac_ratio=rho, backend=backend)
                     return pk.nvfp4_grouped_matmul(P.take_rows(xin, rows), w, gs, rac_ratio=rho, act_scale="token", mode=mode,
-                                                   backend=backend)
+                                                   backend=backend, config=config)
                 return f
 
             common = dict(truth=truth, flops=2 * t * topk * k * n)
+            # other tiles of the W4A4 kernel (the default: gemm_config's at T x top-k / E rows an
+            # expert): wider N tiles re-read the FP16 token rows fewer times, taller M tiles
+            # read each expert's weight tile once for more rows
+            base = pk.gemm_config(-(-t * topk // e), n, k, programs_per_row_tile=e)
+            tiles = {} if tiny or not name.startswith("bench") else {
+                f"bm{bm} bn{bn} w{w} s{st}": dataclasses.replace(base, block_m=bm, block_n=bn, num_warps=w, num_stages=st)
+                for bm, bn, w, st in ((base.block_m, 128, 4, 4), (base.block_m, 256, 8, 3), (base.block_m, 128, 4, 2),
+                                      (2 * base.block_m, 128, 4, 4), (base.block_m, base.block_n, 4, 2))}
             for op, rho, mode in (("w4a4+rac0.5", 0.5, "w4a4"), ("w4a4", 0.0, "w4a4"), ("w4a16", 0.0, "w4a16")):
                 ref = ours(rho, mode, "xla")
                 cases += [Case("grouped", shape, op, "pallas", ours(rho, mode), (x, rows, gs, w4), ref=ref, kept=True,
                                bytes=_nbytes(w4) + io, **common),
                           Case("grouped", shape, op, "xla", ref, (x, rows, gs, w4), bytes=_nbytes(w4) + io, **common)]
+                cases += [Case("grouped", shape, op, f"pallas {name}", ours(rho, mode, config=c), (x, rows, gs, w4), ref=ref,
+                               bytes=_nbytes(w4) + io, **common) for name, c in tiles.items() if op == "w4a4"]
             cases += [
                 Case("grouped", shape, "bf16", "tokamax", lambda xs, gs, w: pk.grouped_dot_kn(xs, w, gs, impl="tokamax"),
                      (xs, gs, wbf), bytes=_nbytes(wbf) + io, **common),
