@@ -100,7 +100,7 @@ def quant_cases(tiny: bool):
             if rho < 1:  # one program a row (measured 7-48x slower on the H100: why is open)
                 variants["one program a row"] = dataclasses.replace(base, parts=1)
             if rho == 0.5:  # the other selection and warp counts
-                variants.update({f"select {s}": dataclasses.replace(base, select=s) for s in ("auto", "bisect", "split") if s != base.select})
+                variants.update({f"select {s}": dataclasses.replace(base, select=s) for s in ("rank", "split") if s != base.select})
                 variants.update({f"{w} warps": dataclasses.replace(base, num_warps=w) for w in (4, 16) if w != base.num_warps})
             for name, c in variants.items():
                 fn = lambda v, c=c, rho=rho: pk.quantize_operand(v, rac_ratio=rho, order=order, backend="pallas", config=c)

@@ -136,7 +136,7 @@ def cases(override=None):
         yield name, fn, cfg, values
 
 
-def quant_cases(shapes=((16, 4096), (64, 4096), (256, 1024), (2048, 512)), selects=("auto",)):
+def quant_cases(shapes=((16, 4096), (64, 4096), (256, 1024), (2048, 512)), selects=("rank", "split")):
     """(name, lower(), QuantConfig) of the activation quantizer (per-token scales, the FP16
     GEMM operand in the word-part order) at rollout sizes, RAC 0 and 0.5: the heuristic's
     config, one program per row (parts=1) and one warp per row, with each RAC selection of
@@ -155,7 +155,7 @@ def quant_cases(shapes=((16, 4096), (64, 4096), (256, 1024), (2048, 512)), selec
             default = QA.quant_config(t, k)
             for layout, base in (("default", default), ("one_row", dc.replace(default, parts=1)),
                                  ("warp_row", dc.replace(default, parts=1, num_warps=1))):
-                for select in selects if rho else ("auto",):
+                for select in selects if rho else ("rank",):
                     cfg = dc.replace(base, select=select)
                     fn = lambda cfg=cfg, n_sel=n_sel, x=x: jax.jit(
                         lambda v: QA._quant_call(v, n_sel=n_sel, cfg=cfg, interpret=False, order=("words", 128), rows=v.shape[0])

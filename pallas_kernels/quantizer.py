@@ -18,10 +18,11 @@ few KB from L2), so the bits do not depend on ``parts``. At decode sizes this is
 the chip busy: 16 tokens are 16 programs, one a row, and RAC's selection is the longest
 serial work in them; ``parts`` spreads each row's selection and stores over several programs.
 Rows are walked in chunks of ``chunk`` channels (a power of two dividing K / parts), each
-loaded as its even and odd channels (stride-2 loads). The in-kernel top fraction is exact:
-an all-pairs rank count of the owned blocks' energies against the row's, for rows of up to
-RANK_MAX_BLOCKS blocks, a 31-step bisection on their bit patterns for longer rows
-(``_top_blocks``).
+loaded as its even and odd channels (stride-2 loads). RAC's top fraction is exact: an
+all-pairs rank count of the blocks' residual energies (``_top_blocks``), either inside the
+kernel against the whole row's (``select="rank"``) or, with ``select="split"``, by one XLA
+fusion between a first kernel that writes the energies and the quantizer, which reads the
+selection.
 """
 
 from __future__ import annotations
@@ -52,12 +53,11 @@ class QuantConfig:
     chunk: int = 1024
     num_warps: int = 4
     num_stages: int = 1
-    # RAC's top fraction, the same selection whichever: in the kernel, "rank" (all-pairs
-    # count), "bisect" (31 counting steps) or "auto" (rank for rows of up to RANK_MAX_BLOCKS
-    # blocks, else bisect); or "split": a first kernel writes the residual energies, one XLA
-    # fusion ranks them, the kernel reads the selection (no whole-row pass inside a kernel).
-    # quant_config picks split below 1024 tokens and auto from there (see its docstring)
-    select: str = "auto"
+    # RAC's top fraction, the same selection either way: "rank" (an all-pairs count in the
+    # kernel, over the whole row's energies) or "split" (a first kernel writes the residual
+    # energies, one XLA fusion ranks them, the kernel reads the selection: no whole-row pass
+    # in a kernel). quant_config picks split below 1024 tokens (see its docstring)
+    select: str = "split"
     # programs per token row, each owning K / parts channels (a power of two; the same bits
     # for any value: see the module docstring)
     parts: int = 1
@@ -78,10 +78,11 @@ class QuantConfig:
             raise ValueError(f"config: QuantConfig.chunk={self.chunk} must divide K={k} / parts={self.parts}")
 
 
-SELECTS = ("auto", "rank", "bisect", "split")
+SELECTS = ("rank", "split")
 
 
 MIN_PART = 256  # channels a program owns at the least (one 16-block of RAC selection work a warp)
+RANK_MAX_BLOCKS = 256  # the longest rows (in 16-blocks) that quant_config lets the kernel rank itself
 
 
 def quant_config(t: int, k: int, num_sms: int | None = None) -> QuantConfig:
@@ -95,7 +96,10 @@ def quant_config(t: int, k: int, num_sms: int | None = None) -> QuantConfig:
     one program a row 7-48x slower, one warp a row 3-18x; the latter 1.8x slower end to end).
     RAC's selection is ``select="split"`` below 1024 tokens: on an H100 it took 14.8 us at
     T=256, K=2048, rho 0.5 against 36.4 in-kernel (T=256, K=1024: 9.2 vs 20.0; T=64: 6.7 vs
-    8.6), and 17.7 against 14.3 at T=2048, K=512 (benchmarks/results/2026-12-06-h100-split-select)."""
+    8.6), and 17.7 against 14.3 at T=2048, K=512 (benchmarks/results/2026-12-06-h100-split-select).
+    Rows of more than RANK_MAX_BLOCKS blocks take split at any size: the in-kernel count grows
+    with the square of the blocks. (A 31-step bisection, linear in the blocks, measured slower
+    than both at every shape: 38.7 us at T=2048, K=512; it left the package.)"""
     num_sms = num_sms or device_sms()
     block_rows = 1 if t < 1024 else 2
     programs = -(-t // block_rows)
@@ -111,7 +115,7 @@ def quant_config(t: int, k: int, num_sms: int | None = None) -> QuantConfig:
     # 512-channel chunks on 8 warps issue 3568 warp instructions per scheduler, one program a
     # row 7216 (each program issues fewer; the rows' other channels are loaded, not stored)
     return QuantConfig(block_rows=block_rows, chunk=chunk, num_warps=8 if chunk >= 512 else 4, parts=parts,
-                       select="split" if t < 1024 else "auto")
+                       select="split" if t < 1024 or k // 16 > RANK_MAX_BLOCKS else "rank")
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -132,53 +136,27 @@ def _row_global_scale(chunks, arith):
     return jnp.where(gs == 0, 1.0, gs)
 
 
-RANK_MAX_BLOCKS = 256  # rows of up to this many 16-blocks select by rank, longer ones by bisection
-
-
-def _top_blocks(own, energies, n_sel, rows, select="auto"):
+def _top_blocks(own, energies, n_sel):
     """Per row, which of the blocks ``own`` (energies, [rows, blocks] per chunk) have an energy
     >= the n_sel-th largest of the row's ``energies`` (all its chunks; ``rac.selection_mask``):
     a list of boolean masks, one per owned chunk.
 
     Energies are non-negative, so their int32 bit patterns order as the values do. A block
     is selected iff fewer than n_sel blocks of its row are strictly larger (the same set as
-    ``>=`` the n-th largest, ties included). Two exact ways to find that set:
-
-    - "rank": one all-pairs count of the owned blocks against the row's (one reduction; the
-      work grows with the square of the blocks);
-    - "bisect": the n-th largest bit pattern by a 31-step bisection on counts (31 dependent
-      reductions, each linear in the blocks).
-    """
+    ``>=`` the n-th largest, ties included): one all-pairs count of the owned blocks against
+    the row's, one reduction (the work grows with the square of the blocks)."""
     bits = lambda es: [jax.lax.bitcast_convert_type(e, jnp.int32) for e in es]
     obits, ebits = bits(own), bits(energies)
-    if select == "rank" or (select == "auto" and sum(e.shape[1] for e in ebits) <= RANK_MAX_BLOCKS):
-        out = []
-        for ei in obits:
-            # the comparisons of equal-width chunks add up elementwise, in registers, and are
-            # reduced once (one cross-thread sum, not one per chunk)
-            wide = {}
-            for ej in ebits:
-                cmp = (ej[:, None, :] > ei[:, :, None]).astype(jnp.int32)
-                wide[ej.shape[1]] = cmp if ej.shape[1] not in wide else wide[ej.shape[1]] + cmp
-            out.append(sum(jnp.sum(v, axis=2) for v in wide.values()) < n_sel)
-        return out
-
-    def count_ge(th):
-        tot = jnp.zeros((rows, 1), jnp.int32)
-        for eb in ebits:
-            tot += jnp.sum((eb >= th).astype(jnp.int32), axis=1, keepdims=True)
-        return tot
-
-    def step(_, lohi):
-        lo, hi = lohi
-        mid = lo + ((hi - lo) >> 1)
-        ok = count_ge(mid) >= n_sel
-        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
-
-    lo0 = jnp.zeros((rows, 1), jnp.int32)
-    hi0 = jnp.full((rows, 1), 0x7F800001, jnp.int32)
-    tau, _ = jax.lax.fori_loop(0, 31, step, (lo0, hi0))
-    return [eb >= tau for eb in obits]
+    out = []
+    for ei in obits:
+        # the comparisons of equal-width chunks add up elementwise, in registers, and are
+        # reduced once (one cross-thread sum, not one per chunk)
+        wide = {}
+        for ej in ebits:
+            cmp = (ej[:, None, :] > ei[:, :, None]).astype(jnp.int32)
+            wide[ej.shape[1]] = cmp if ej.shape[1] not in wide else wide[ej.shape[1]] + cmp
+        out.append(sum(jnp.sum(v, axis=2) for v in wide.values()) < n_sel)
+    return out
 
 
 def _quantize_pair(ve, vo, g, arith):
@@ -271,7 +249,7 @@ def _quant_kernel(x_ref, sel_ref, a_ref, gx_ref, *, t, k, cfg, n_sel, arith, int
             # (the owned chunks' share again: their index is the program's, not a constant)
             row_energy = own_energy if row is None else [_residual(_quantize_chunk(xe, xo, gx, bm, c, arith), gx, arith)[-1]
                                                         for xe, xo in row]
-            selected = _top_blocks(own_energy, row_energy, n_sel, bm, cfg.select)
+            selected = _top_blocks(own_energy, row_energy, n_sel)
         else:  # rho 1: every block (a NaN energy is unselected, as in the reference's comparison)
             selected = [e == e for e in own_energy]
         gr = gx * rac.RESIDUAL_SCALE_FACTOR
@@ -301,7 +279,7 @@ def _quant_call(x, *, n_sel, cfg, interpret, order, rows):
             grid=(pl.cdiv(x.shape[0], cfg.block_rows), cfg.parts), compiler_params=params, interpret=interpret,
             name="nvfp4_residual_energies",
         )(x)
-        sel = _top_blocks([e], [e], n_sel, e.shape[0], "rank")[0].astype(jnp.int8)
+        sel = _top_blocks([e], [e], n_sel)[0].astype(jnp.int8)
     return pl.pallas_call(
         functools.partial(_quant_kernel, t=t, k=k, cfg=cfg, n_sel=n_sel, arith=arith, interpret=interpret, order=order),
         out_shape=(jax.ShapeDtypeStruct((rows, k), jnp.float16), jax.ShapeDtypeStruct((t, 1), jnp.float32)),

@@ -437,7 +437,7 @@ def test_quantizer_row_split_is_bit_identical(rng):
     blocks[2, 6:10] = blocks[2, 0]  # a tie spanning parts (16-channel blocks 6..9 cross channel 128)
     x = jnp.asarray(blocks.reshape(11, 512)).astype(jnp.bfloat16).at[4].set(0.0)  # and an all-zero token
     for rho in (0.0, 0.25):
-        for parts, chunk, select in ((2, 128, "rank"), (4, 64, "bisect"), (2, 64, "rank"), (8, 64, "auto"), (4, 64, "split")):
+        for parts, chunk, select in ((2, 128, "rank"), (4, 64, "rank"), (2, 64, "rank"), (8, 64, "rank"), (4, 64, "split")):
             assert_operand_equal(x, rho, pk.QuantConfig(chunk=chunk, parts=parts, select=select), order=("words", 128))
 
 
@@ -456,6 +456,9 @@ def test_quant_config_splits_rows_at_decode_sizes():
     assert [quant_config(t, 4096).parts for t in (1, 16, 64, 128, 4096)] == [16, 8, 2, 2, 2]
     assert quant_config(256, 512).parts == 2 and quant_config(256, 768).parts == 1  # two a row where K allows it
     assert quant_config(2048, 512).parts == 1 and quant_config(2048, 1024).parts == 2  # two-token programs: whole rows to 512
+    # RAC's selection: split below 1024 tokens and for rows past RANK_MAX_BLOCKS blocks, else ranked in the kernel
+    assert [quant_config(t, k).select for t, k in ((16, 4096), (256, 1024), (2048, 512), (2048, 8192))] == [
+        "split", "split", "rank", "split"]
     assert quant_config(16, 2048).parts == 8 and quant_config(16, 1024).parts == 4  # each part owns >= 256 channels
     for t, k in ((1, 4096), (16, 4096), (64, 1024), (16, 768), (4096, 4096)):
         cfg = quant_config(t, k)
@@ -463,7 +466,7 @@ def test_quant_config_splits_rows_at_decode_sizes():
         assert (k // cfg.parts) % cfg.chunk == 0 and cfg.chunk // 2 >= 32 * cfg.num_warps
 
 
-@pytest.mark.parametrize("select", ["bisect", "rank", "split"])
+@pytest.mark.parametrize("select", ["rank", "split"])
 def test_rac_selections_equal_xla_with_ties(rng, select):
     x = heavy(rng, (9, 512))
     blocks = x.reshape(9, 32, 16)
