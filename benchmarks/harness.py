@@ -73,7 +73,7 @@ def breakdown(f, *args, iterations=20):
 
 def top_kernels(per_kernel: dict, top: int, scale: float = 1.0) -> dict:
     """Kernel times summed by name (over launches), the ``top`` largest, the rest as "other",
-    and "total"; every time multiplied by ``scale``."""
+    "total", and "launches" (the kernel launches); every number multiplied by ``scale``."""
     per: dict = {}
     for key, us in per_kernel.items():
         name = key.split(":", 1)[-1]
@@ -82,6 +82,7 @@ def top_kernels(per_kernel: dict, top: int, scale: float = 1.0) -> dict:
     out = dict(ranked[:top])
     out["other"] = sum(v for _, v in ranked[top:])
     out["total"] = sum(per.values())
+    out["launches"] = len(per_kernel) * scale
     return out
 
 
