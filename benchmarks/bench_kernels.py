@@ -222,7 +222,8 @@ def grouped_cases(tiny: bool):
             tiles = {} if tiny or not name.startswith("bench") else {
                 f"bm{bm} bn{bn} w{w} s{st}": dataclasses.replace(base, block_m=bm, block_n=bn, num_warps=w, num_stages=st)
                 for bm, bn, w, st in ((base.block_m, 128, 4, 4), (base.block_m, 256, 8, 3), (base.block_m, 128, 4, 2),
-                                      (2 * base.block_m, 128, 4, 4), (base.block_m, base.block_n, 4, 2))}
+                                      (2 * base.block_m, 128, 4, 4), (2 * base.block_m, 256, 8, 3),
+                                      (base.block_m, base.block_n, 4, 2))}
             for op, rho, mode in (("w4a4+rac0.5", 0.5, "w4a4"), ("w4a4", 0.0, "w4a4"), ("w4a16", 0.0, "w4a16")):
                 ref = ours(rho, mode, "xla")
                 cases += [Case("grouped", shape, op, "pallas", ours(rho, mode), (x, rows, gs, w4), ref=ref, kept=True,
