@@ -19,7 +19,8 @@ Regimes (``--regimes``), each a list of ``Case``s built by one function below:
                    does) against tokamax's BF16, FP8 and int4 kernels and lax.ragged_dot; at
                    the bench model's shapes W4A4 also with other tiles
     train_grouped  the trainer's expert GEMM, forward + backward (dx, dW): tokamax with our
-                   tiles and dW kernel against its heuristic tiles, its Triton kernel and XLA
+                   tiles and dW kernel against its heuristic tiles, its Triton kernel and XLA;
+                   and our dW kernel alone in both program orders
     attention      decode attention over a KV cache (the rollout's): Pallas against XLA
 
 Every case reports us (CUPTI), its time over its byte limit (bytes it must move over the copy
@@ -275,6 +276,16 @@ def train_grouped_cases(tiny: bool):
                                   kept=impl.startswith("tokamax (default"), **common))
             if ref is not None:
                 cases.append(Case("train_grouped", shape, "fwd+bwd", "xla", ref, (x, w), **common))
+            # the dW product alone (x_e.T @ dy_e, our kernel): its programs' launch order
+            dy = jax.random.normal(jax.random.key(5), (m, n), jnp.bfloat16)
+            dw_tiles = pk.DwTiles(block_k=16, block_n=16, block_r=16) if tiny else pk.KernelConfig().grouped_tiles.dw
+            dw_ref = (lambda x, dy: pk.grouped_dw_xla(x, dy, gs)) if m <= 65536 or tiny else None
+            dw_common = dict(bytes=float((m * k + m * n + e * k * n) * 2), flops=2.0 * m * k * n, tol=1e-2)
+            for outer in (True, False):
+                c = dataclasses.replace(dw_tiles, expert_outer=outer)
+                cases.append(Case("train_grouped", shape, "dw", f"pallas ({'expert outermost' if outer else 'expert fastest'})",
+                                  lambda x, dy, c=c: pk.grouped_dw(x, dy, gs, config=c), (x, dy), ref=dw_ref,
+                                  kept=outer == dw_tiles.expert_outer, **dw_common))
     return cases
 
 

@@ -84,16 +84,22 @@ class Tiles:
 @dataclasses.dataclass(frozen=True)
 class DwTiles:
     """Tiles of our Pallas dW kernel (``pallas_kernels.grouped_weight_grad``): an output tile of
-    ``block_k`` x ``block_n`` accumulated over ``block_r`` rows a step."""
+    ``block_k`` x ``block_n`` accumulated over ``block_r`` rows a step. ``expert_outer``: the
+    expert is the slowest grid axis, so the programs running at once share a few experts'
+    rows of x and dy through L2 (False: the fastest axis, so the programs running at once
+    each read a different expert's rows from HBM)."""
     block_k: int = 128
     block_n: int = 128
     block_r: int = 64
     num_warps: int = 8
     num_stages: int = 3
+    expert_outer: bool = True
 
     def __post_init__(self):
         _check_tiles(self, "kernels.grouped_tiles.dw", ("block_k", "block_n", "block_r", "num_warps", "num_stages"),
                      ("block_k", "block_n", "block_r"), 16)
+        if not isinstance(self.expert_outer, bool):
+            raise ValueError(f"kernels.grouped_tiles.dw: expert_outer={self.expert_outer!r}, expected true or false")
 
     def check(self, k: int, n: int) -> None:
         if k % self.block_k or n % self.block_n:

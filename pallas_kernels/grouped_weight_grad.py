@@ -44,7 +44,10 @@ def grouped_dw_xla(x, dy, group_sizes, *, out_dtype=None):
 
 
 def _dw_kernel(start_ref, size_ref, x_ref, dy_ref, o_ref, *, cfg):
-    e, ik, jn = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    if cfg.expert_outer:  # the grid is (N tiles, K tiles, experts): N tiles launch fastest
+        jn, ik, e = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    else:
+        e, ik, jn = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     start = start_ref[e]
     size = size_ref[e]
     ks = pl.ds(ik * cfg.block_k, cfg.block_k)
@@ -70,11 +73,19 @@ def _dw_call(x, dy, group_sizes, *, cfg, out_dtype, interpret):
     starts = jnp.cumsum(sizes) - sizes
     if interpret:  # interpret mode clamps out-of-range slices instead of masking them
         x, dy = pad_axis(x, 0, m + cfg.block_r), pad_axis(dy, 0, m + cfg.block_r)
+    # Triton launches grid axis 0 fastest. Expert outermost, the programs running at once
+    # cover a few experts' K x N tiles, which read the same rows of x (N tiles) and dy (K
+    # tiles) at about the same time: L2 serves the repeats. Expert fastest, they each stream
+    # a different expert's rows from HBM, N/block_n times over for x and K/block_k for dy.
+    if cfg.expert_outer:
+        grid, where = (n // cfg.block_n, k // cfg.block_k, e), lambda j, i, g: (g, i, j)
+    else:
+        grid, where = (e, k // cfg.block_k, n // cfg.block_n), lambda g, i, j: (g, i, j)
     return pl.pallas_call(
         functools.partial(_dw_kernel, cfg=cfg),
         out_shape=jax.ShapeDtypeStruct((e, k, n), out_dtype),
-        grid=(e, k // cfg.block_k, n // cfg.block_n),
-        out_specs=pl.BlockSpec((None, cfg.block_k, cfg.block_n), lambda g, i, j: (g, i, j)),
+        grid=grid,
+        out_specs=pl.BlockSpec((None, cfg.block_k, cfg.block_n), where),
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
         name="grouped_dw",

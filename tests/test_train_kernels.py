@@ -73,7 +73,8 @@ def test_tokamax_grouped_dot_gradient_transposes_the_weight_once():
     assert transposes(jaxpr.jaxpr) == 1
 
 
-@pytest.mark.parametrize("tiles", [pk.DwTiles(block_k=32, block_n=16, block_r=16), pk.DwTiles(block_k=16, block_n=32, block_r=32)])
+@pytest.mark.parametrize("tiles", [pk.DwTiles(block_k=32, block_n=16, block_r=16),
+                                   pk.DwTiles(block_k=16, block_n=32, block_r=32, expert_outer=False)])
 def test_pallas_grouped_dw_equals_per_expert_products(tiles):
     """Our dW kernel (interpreted here) against x_e.T @ dy_e per expert, with empty experts,
     groups that do not align with block_r, and trailing rows past the groups (ignored)."""
@@ -100,6 +101,8 @@ def test_pallas_grouped_dw_rejects_bad_input():
         pk.grouped_dw(jnp.zeros((8, 32)), jnp.zeros((9, 32)), jnp.array([8]))
     with pytest.raises(ValueError, match="multiples of 16"):
         pk.DwTiles(block_k=24)
+    with pytest.raises(ValueError, match="expert_outer"):
+        pk.DwTiles(expert_outer="yes")
     assert pk.KernelConfig(grouped_tiles={"dw": {"block_k": 64, "block_n": 64, "block_r": 32}}).grouped_tiles.dw == \
         pk.DwTiles(block_k=64, block_n=64, block_r=32)
     with pytest.raises(ValueError, match="grouped_tiles"):
