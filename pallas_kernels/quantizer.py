@@ -90,10 +90,11 @@ def quant_config(t: int, k: int, num_sms: int | None = None) -> QuantConfig:
     two programs each (``parts``), and decode sizes (few tokens) split further until about one
     wave runs (T=16: 8 parts, T=64: 2); 1024 tokens and more take two rows a program, and
     whole rows where K <= 512 (T=2048, K=512: 4.2 / 9.1 us at rho 0 / 0.5 against 5.1 / 14.3
-    with two parts; the MoE down projection's quantizer at batch 256 of the bench model). This
-    measured the fastest at every rollout shape on an H100, against one program of 8 warps a
-    row and one warp a row, with or without RAC (benchmarks/results/2026-12-06-h100-quant-operand:
-    one program a row 7-48x slower, one warp a row 3-18x; the latter 1.8x slower end to end).
+    with two parts; the MoE down projection's quantizer at batch 256 of the bench model).
+    Below 1024 tokens the split rows measured the fastest at every rollout shape on an H100,
+    against one program of 8 warps a row and one warp a row, with or without RAC
+    (benchmarks/results/2026-12-06-h100-quant-operand: one program a row 7-48x slower, one warp
+    a row 3-18x; the latter 1.8x slower end to end).
     RAC's selection is ``select="split"`` below 1024 tokens: on an H100 it took 14.8 us at
     T=256, K=2048, rho 0.5 against 36.4 in-kernel (T=256, K=1024: 9.2 vs 20.0; T=64: 6.7 vs
     8.6), and 17.7 against 14.3 at T=2048, K=512 (benchmarks/results/2026-12-06-h100-split-select).
