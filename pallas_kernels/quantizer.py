@@ -18,11 +18,12 @@ few KB from L2), so the bits do not depend on ``parts``. At decode sizes this is
 the chip busy: 16 tokens are 16 programs, one a row, and RAC's selection is the longest
 serial work in them; ``parts`` spreads each row's selection and stores over several programs.
 Rows are walked in chunks of ``chunk`` channels (a power of two dividing K / parts), each
-loaded as its even and odd channels (stride-2 loads). RAC's top fraction is exact: an
-all-pairs rank count of the blocks' residual energies (``_top_blocks``), either inside the
-kernel against the whole row's (``select="rank"``) or, with ``select="split"``, by one XLA
-fusion between a first kernel that writes the energies and the quantizer, which reads the
-selection.
+loaded as its even and odd channels (stride-2 loads). RAC's top fraction is exact, ties
+included: either an all-pairs rank count of the blocks' residual energies inside the kernel,
+against the whole row's (``select="rank"``, ``_top_blocks``), or, with ``select="split"``, a
+ranking in XLA (``_selected_blocks``: the same count for rows of up to RANK_MAX_BLOCKS
+blocks, a sort beyond) between a first kernel that writes the energies and the quantizer,
+which reads the selection.
 """
 
 from __future__ import annotations
@@ -55,8 +56,8 @@ class QuantConfig:
     num_stages: int = 1
     # RAC's top fraction, the same selection either way: "rank" (an all-pairs count in the
     # kernel, over the whole row's energies) or "split" (a first kernel writes the residual
-    # energies, one XLA fusion ranks them, the kernel reads the selection: no whole-row pass
-    # in a kernel). quant_config picks split below 1024 tokens (see its docstring)
+    # energies, XLA ranks them, the kernel reads the selection: no whole-row pass in a
+    # kernel). quant_config picks split below 1024 tokens and for long rows (its docstring)
     select: str = "split"
     # programs per token row, each owning K / parts channels (a power of two; the same bits
     # for any value: see the module docstring)
@@ -262,13 +263,26 @@ def _quant_kernel(x_ref, sel_ref, a_ref, gx_ref, *, t, k, cfg, n_sel, arith, int
         _store_operand(a_ref, rows_idx, rows_idx < a_ref.shape[0], at(j), q, r, bm, c, order)
 
 
+def _selected_blocks(e, n_sel):
+    """``select="split"``'s ranking in XLA: energies [T, B] -> RAC's selection [T, B] (the
+    blocks >= each row's n_sel-th largest, ties included, as ``_top_blocks``). Rows of up to
+    RANK_MAX_BLOCKS blocks: the all-pairs count (one fusion; measured on an H100). Longer
+    rows, where that grows with the square of the blocks: the n_sel-th largest bit pattern
+    from ``lax.top_k`` (a sort, B log B), then one comparison; the same set (a block is
+    >= the n-th largest iff fewer than n blocks are strictly larger)."""
+    if e.shape[1] <= RANK_MAX_BLOCKS:
+        return _top_blocks([e], [e], n_sel)[0]
+    bits = jax.lax.bitcast_convert_type(e, jnp.int32)
+    return bits >= jax.lax.top_k(bits, n_sel)[0][:, -1:]
+
+
 @functools.partial(jax.jit, static_argnames=("n_sel", "cfg", "interpret", "order", "rows"))
 def _quant_call(x, *, n_sel, cfg, interpret, order, rows):
     """(the FP16 operand [rows, K] in ``order``, the global scales [T, 1]); x's rows from T to
     ``rows`` are zero (interpret mode pads x, which it loads clamped). With ``select="split"``
-    and 0 < n_sel < K/16: a first kernel writes the blocks' residual energies, one XLA fusion
-    ranks them (``_top_blocks``' all-pairs count, the same selection), and the kernel reads
-    the selected blocks instead of finding them itself."""
+    and 0 < n_sel < K/16: a first kernel writes the blocks' residual energies, XLA ranks them
+    (``_selected_blocks``: the same selection), and the kernel reads the selected blocks
+    instead of finding them itself."""
     t, k = x.shape
     arith = kernel_arith(interpret)
     params = plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -280,7 +294,7 @@ def _quant_call(x, *, n_sel, cfg, interpret, order, rows):
             grid=(pl.cdiv(x.shape[0], cfg.block_rows), cfg.parts), compiler_params=params, interpret=interpret,
             name="nvfp4_residual_energies",
         )(x)
-        sel = _top_blocks([e], [e], n_sel)[0].astype(jnp.int8)
+        sel = _selected_blocks(e, n_sel).astype(jnp.int8)
     return pl.pallas_call(
         functools.partial(_quant_kernel, t=t, k=k, cfg=cfg, n_sel=n_sel, arith=arith, interpret=interpret, order=order),
         out_shape=(jax.ShapeDtypeStruct((rows, k), jnp.float16), jax.ShapeDtypeStruct((t, 1), jnp.float32)),

@@ -450,6 +450,22 @@ def test_split_selection_with_two_rows_a_program_and_padded_rows(rng):
             assert_operand_equal(x, rho, cfg, order=("words", 128), rows=16)
 
 
+def test_split_selection_of_long_rows_sorts_with_ties(rng):
+    """Rows longer than RANK_MAX_BLOCKS blocks are ranked by a sort (``lax.top_k`` of the
+    energies' bits), not the all-pairs count: the reference's bits, with a tie across the
+    selection boundary, an all-tied row and an all-zero row."""
+    from pallas_kernels.quantizer import RANK_MAX_BLOCKS
+
+    k = 16 * (RANK_MAX_BLOCKS + 32)
+    x = heavy(rng, (5, k))
+    blocks = x.reshape(5, k // 16, 16)
+    blocks[1] = blocks[1, :1]  # every block equal: all tie, all selected
+    blocks[2, 100:200] = blocks[2, 0]  # a run of ties spanning the boundary
+    x = jnp.asarray(blocks.reshape(5, k)).astype(jnp.bfloat16).at[3].set(0.0)
+    for rho in (0.25, 0.5):
+        assert_operand_equal(x, rho, pk.QuantConfig(chunk=256, parts=2, select="split"), order=("words", 128))
+
+
 def test_quant_config_splits_rows_at_decode_sizes():
     from pallas_kernels.quantizer import quant_config
 
