@@ -88,7 +88,7 @@ def quant_cases(tiny: bool):
     rng = np.random.default_rng(3)
     cases = []
     # (256, 14336): rows of 896 blocks (an 8B-class MLP's down projection), past RANK_MAX_BLOCKS:
-    # split ranks them by a sort; the in-kernel all-pairs count is not tried there
+    # split ranks them by a sort; the in-kernel all-pairs counts (rank, energies) are not tried there
     for t, k in ((8, 256),) if tiny else ((256, 1024), (256, 2048), (64, 1024), (2048, 512), (256, 14336)):
         # heavy-tailed channels, as activations are: per-channel magnitudes spread over e^(+-2)
         x = jnp.asarray(rng.standard_normal((t, k)) * np.exp(rng.standard_normal(k)), jnp.bfloat16)
@@ -103,7 +103,7 @@ def quant_cases(tiny: bool):
             if rho < 1:  # one program a row (measured 7-48x slower on the H100: why is open)
                 variants["one program a row"] = dataclasses.replace(base, parts=1)
             if rho == 0.5:  # the other selection and warp counts
-                variants.update({f"select {s}": dataclasses.replace(base, select=s) for s in ("rank", "split")
+                variants.update({f"select {s}": dataclasses.replace(base, select=s) for s in ("rank", "split", "energies")
                                  if s != base.select and (s == "split" or k // 16 <= pk.RANK_MAX_BLOCKS)})
                 variants.update({f"{w} warps": dataclasses.replace(base, num_warps=w) for w in (4, 16) if w != base.num_warps})
             for name, c in variants.items():

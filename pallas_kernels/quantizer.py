@@ -54,10 +54,12 @@ class QuantConfig:
     chunk: int = 1024
     num_warps: int = 4
     num_stages: int = 1
-    # RAC's top fraction, the same selection either way: "rank" (an all-pairs count in the
-    # kernel, over the whole row's energies) or "split" (a first kernel writes the residual
-    # energies, XLA ranks them, the kernel reads the selection: no whole-row pass in a
-    # kernel). quant_config picks split below 1024 tokens and for long rows (its docstring)
+    # RAC's top fraction, the same selection whichever: "rank" (an all-pairs count in the
+    # kernel, over the whole row's energies, which it computes), "split" (a first kernel
+    # writes the residual energies, XLA ranks them, the kernel reads the selection: no
+    # whole-row pass in a kernel) or "energies" (the kernel ranks the first kernel's
+    # energies itself: one launch fewer than split; unmeasured). quant_config picks split
+    # below 1024 tokens and for long rows (its docstring)
     select: str = "split"
     # programs per token row, each owning K / parts channels (a power of two; the same bits
     # for any value: see the module docstring)
@@ -77,9 +79,12 @@ class QuantConfig:
             raise ValueError(f"config: QuantConfig.parts={self.parts} must divide K={k} into whole 16-blocks")
         if (k // self.parts) % self.chunk:
             raise ValueError(f"config: QuantConfig.chunk={self.chunk} must divide K={k} / parts={self.parts}")
+        if self.select == "energies" and (k // 16) & (k // 16 - 1):
+            raise ValueError(f"config: QuantConfig.select='energies' loads a row's K/16={k // 16} energies as one tensor: "
+                             "needs a power of two (Triton); use 'split'")
 
 
-SELECTS = ("rank", "split")
+SELECTS = ("rank", "split", "energies")
 
 
 MIN_PART = 256  # channels a program owns at the least (one 16-block of RAC selection work a warp)
@@ -232,8 +237,8 @@ def _energy_kernel(x_ref, e_ref, *, t, k, cfg, arith, interpret):
 
 def _quant_kernel(x_ref, sel_ref, a_ref, gx_ref, *, t, k, cfg, n_sel, arith, interpret, order):
     """One program: ``block_rows`` token rows x the channels of part ``program_id(1)``.
-    Inputs: x [T, K] and, for ``select="split"``, the selected blocks ``sel_ref`` [T, K/16]
-    (int8; else None). Outputs: the FP16 operand ``a_ref`` [rows, K] in the column ``order``
+    Inputs: x [T, K] and ``sel_ref`` [T, K/16]: for ``select="split"`` the selected blocks
+    (int8), for "energies" the residual energies (float32), else None. Outputs: the FP16 operand ``a_ref`` [rows, K] in the column ``order``
     (rows from T on written as zeros) and the per-token global scales ``gx_ref`` [T, 1]."""
     bm, c = cfg.block_rows, cfg.chunk
     i, p = pl.program_id(0), pl.program_id(1)
@@ -244,7 +249,12 @@ def _quant_kernel(x_ref, sel_ref, a_ref, gx_ref, *, t, k, cfg, n_sel, arith, int
     if n_sel > 0:
         residuals = [_residual(q, gx, arith) for q in owned]
         own_energy = [e for _, _, e in residuals]
-        if sel_ref is not None:
+        if cfg.select == "energies" and n_sel < k // 16:
+            # the first kernel's energies: the owned blocks' (loaded, not recomputed, so both
+            # sides of each comparison have the same bits) ranked against the whole row's
+            load_e = lambda sl: plgpu.load(sel_ref.at[row_sl, sl], mask=row_ok, other=0.0)
+            selected = _top_blocks([load_e(blocks(j)) for j in range(len(owned))], [load_e(pl.ds(0, k // 16))], n_sel)
+        elif sel_ref is not None:
             selected = [plgpu.load(sel_ref.at[row_sl, blocks(j)], mask=row_ok, other=0) != 0 for j in range(len(owned))]
         elif n_sel < k // 16:
             # with parts > 1 the row's energies come from its whole, quantized once more here
@@ -282,19 +292,19 @@ def _quant_call(x, *, n_sel, cfg, interpret, order, rows):
     ``rows`` are zero (interpret mode pads x, which it loads clamped). With ``select="split"``
     and 0 < n_sel < K/16: a first kernel writes the blocks' residual energies, XLA ranks them
     (``_selected_blocks``: the same selection), and the kernel reads the selected blocks
-    instead of finding them itself."""
+    instead of finding them itself; with "energies" the kernel ranks those energies itself."""
     t, k = x.shape
     arith = kernel_arith(interpret)
     params = plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     sel = None
-    if cfg.select == "split" and 0 < n_sel < k // 16:
+    if cfg.select in ("split", "energies") and 0 < n_sel < k // 16:
         e = pl.pallas_call(
             functools.partial(_energy_kernel, t=t, k=k, cfg=cfg, arith=arith, interpret=interpret),
             out_shape=jax.ShapeDtypeStruct((x.shape[0], k // 16), jnp.float32),
             grid=(pl.cdiv(x.shape[0], cfg.block_rows), cfg.parts), compiler_params=params, interpret=interpret,
             name="nvfp4_residual_energies",
         )(x)
-        sel = _selected_blocks(e, n_sel).astype(jnp.int8)
+        sel = _selected_blocks(e, n_sel).astype(jnp.int8) if cfg.select == "split" else e
     return pl.pallas_call(
         functools.partial(_quant_kernel, t=t, k=k, cfg=cfg, n_sel=n_sel, arith=arith, interpret=interpret, order=order),
         out_shape=(jax.ShapeDtypeStruct((rows, k), jnp.float16), jax.ShapeDtypeStruct((t, 1), jnp.float32)),

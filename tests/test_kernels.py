@@ -437,15 +437,17 @@ def test_quantizer_row_split_is_bit_identical(rng):
     blocks[2, 6:10] = blocks[2, 0]  # a tie spanning parts (16-channel blocks 6..9 cross channel 128)
     x = jnp.asarray(blocks.reshape(11, 512)).astype(jnp.bfloat16).at[4].set(0.0)  # and an all-zero token
     for rho in (0.0, 0.25):
-        for parts, chunk, select in ((2, 128, "rank"), (4, 64, "rank"), (2, 64, "rank"), (8, 64, "rank"), (4, 64, "split")):
+        for parts, chunk, select in ((2, 128, "rank"), (4, 64, "energies"), (2, 64, "rank"), (8, 64, "rank"), (4, 64, "split")):
             assert_operand_equal(x, rho, pk.QuantConfig(chunk=chunk, parts=parts, select=select), order=("words", 128))
 
 
 def test_split_selection_with_two_rows_a_program_and_padded_rows(rng):
-    """``select="split"`` (energies from a first kernel, ranked by XLA) with two token rows a
+    """``select="split"`` (energies from a first kernel, ranked by XLA) and "energies" (ranked by
+    the quantizer) with two token rows a
     program, an odd T and operand rows padded past T: the reference's bits, rho 0 / 0.5 / 1."""
     x = jnp.asarray(heavy(rng, (11, 256))).astype(jnp.bfloat16)
-    for cfg in (pk.QuantConfig(block_rows=2, chunk=64, parts=2, select="split"), pk.QuantConfig(block_rows=2, chunk=128, select="split")):
+    for cfg in (pk.QuantConfig(block_rows=2, chunk=64, parts=2, select="split"), pk.QuantConfig(block_rows=2, chunk=128, select="split"),
+                pk.QuantConfig(block_rows=2, chunk=64, parts=2, select="energies")):
         for rho in (0.5, 1.0, 0.0):
             assert_operand_equal(x, rho, cfg, order=("words", 128), rows=16)
 
@@ -466,6 +468,16 @@ def test_split_selection_of_long_rows_sorts_with_ties(rng):
         assert_operand_equal(x, rho, pk.QuantConfig(chunk=256, parts=2, select="split"), order=("words", 128))
 
 
+def test_quant_config_rejects_tiles_that_cannot_run():
+    with pytest.raises(ValueError, match="chunk=128 must divide"):
+        pk.QuantConfig(chunk=128, parts=4).check(256)
+    with pytest.raises(ValueError, match="energies.*power of two"):
+        pk.QuantConfig(chunk=64, select="energies").check(16 * 24)
+    with pytest.raises(ValueError, match="select="):
+        pk.QuantConfig(select="bisect")
+    pk.QuantConfig(chunk=128, select="energies").check(512)
+
+
 def test_quant_config_splits_rows_at_decode_sizes():
     from pallas_kernels.quantizer import quant_config
 
@@ -482,7 +494,7 @@ def test_quant_config_splits_rows_at_decode_sizes():
         assert (k // cfg.parts) % cfg.chunk == 0 and cfg.chunk // 2 >= 32 * cfg.num_warps
 
 
-@pytest.mark.parametrize("select", ["rank", "split"])
+@pytest.mark.parametrize("select", ["rank", "split", "energies"])
 def test_rac_selections_equal_xla_with_ties(rng, select):
     x = heavy(rng, (9, 512))
     blocks = x.reshape(9, 32, 16)
