@@ -99,7 +99,7 @@ def kernels_per_step(eng, batch, live, top=80):
     burst (the engine's loop, not donated here) profiled, divided by 16. The JSON keeps the
     ``top`` largest; the markdown shows the first 14."""
     per = H.breakdown(eng._burst_impl, *_burst_args(eng, batch, live), iterations=5)
-    return H.top_kernels(per, top, scale=1 / eng.decode_burst)
+    return H.top_kernels(per, top, steps=eng.decode_burst)
 
 
 def sweep(res, cfg, params, recipes, batches, prompts, new_tokens, copy_tbps, deadline, prompt_len=64, profile=()):

@@ -232,7 +232,7 @@ def markdown(res):
             lines += ["", f"## Kernel breakdown: {r['policy']} {r['grouped']} {r['attention']} remat={r['remat']} "
                       f"{r['tokens']} tokens (kernel sum / step wall = {r.get('kernel_sum_over_step', float('nan')):.2f})", "",
                       "| kernel | ms |", "|---|---|"]
-            lines += [f"| {k} | {v:.2f} |" if k != "launches" else f"| (launches a step) | {v * 1e3:.0f} |"
+            lines += [f"| {k} | {v:.2f} |" if k != "launches" else f"| (launches a step) | {v:.0f} |"
                       for k, v in r["kernels_ms"].items()]
     return "\n".join(lines + [""] + H.errors_md(res)) + "\n"
 

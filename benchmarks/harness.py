@@ -71,18 +71,19 @@ def breakdown(f, *args, iterations=20):
             for i, (name, _) in enumerate(per_iter[0])}
 
 
-def top_kernels(per_kernel: dict, top: int, scale: float = 1.0) -> dict:
+def top_kernels(per_kernel: dict, top: int, scale: float = 1.0, steps: int = 1) -> dict:
     """Kernel times summed by name (over launches), the ``top`` largest, the rest as "other",
-    "total", and "launches" (the kernel launches); every number multiplied by ``scale``."""
+    "total", and "launches"; per one of the ``steps`` the profile covered, times multiplied
+    by ``scale`` (a unit)."""
     per: dict = {}
     for key, us in per_kernel.items():
         name = key.split(":", 1)[-1]
-        per[name] = per.get(name, 0.0) + us * scale
+        per[name] = per.get(name, 0.0) + us * scale / steps
     ranked = sorted(per.items(), key=lambda kv: -kv[1])
     out = dict(ranked[:top])
     out["other"] = sum(v for _, v in ranked[top:])
     out["total"] = sum(per.values())
-    out["launches"] = len(per_kernel) * scale
+    out["launches"] = len(per_kernel) / steps
     return out
 
 

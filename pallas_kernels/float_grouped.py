@@ -168,7 +168,7 @@ class ExpertsKN:
         return self.values.dtype
 
 
-# tokamax's quantized kernel dequantizes w * scale in the scale's type; a unit BF16 scale
+# tokamax's quantized kernel dequantizes w * scale in the scale's type; a unit FP16 scale
 # keeps the FP8 values exact, and the caller applies the real per-channel scales to the output
 FP8_UNIT_SCALE = jnp.float16
 

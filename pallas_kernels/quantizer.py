@@ -97,7 +97,7 @@ def quant_config(t: int, k: int, num_sms: int | None = None) -> QuantConfig:
     wave runs (T=16: 8 parts, T=64: 2); 1024 tokens and more take two rows a program, and
     whole rows where K <= 512 (T=2048, K=512: 4.2 / 9.1 us at rho 0 / 0.5 against 5.1 / 14.3
     with two parts; the MoE down projection's quantizer at batch 256 of the bench model).
-    Below 1024 tokens the split rows measured the fastest at every rollout shape on an H100,
+    Below 1024 tokens the rows split in parts measured the fastest at every rollout shape,
     against one program of 8 warps a row and one warp a row, with or without RAC
     (benchmarks/results/2026-12-06-h100-quant-operand: one program a row 7-48x slower, one warp
     a row 3-18x; the latter 1.8x slower end to end).
@@ -139,8 +139,7 @@ def _row_global_scale(chunks, arith):
     for xe, xo in chunks:
         mj = jnp.maximum(jnp.abs(xe.astype(jnp.float32)), jnp.abs(xo.astype(jnp.float32)))
         m = mj if m is None else jnp.maximum(m, mj)
-    gs = arith.div(m.max(1, keepdims=True), nvfp4.E2M1_MAX * nvfp4.E4M3_MAX)
-    return jnp.where(gs == 0, 1.0, gs)
+    return nvfp4.global_scale_from_amax(m.max(1, keepdims=True), arith=arith)
 
 
 def _top_blocks(own, energies, n_sel):
@@ -238,8 +237,9 @@ def _energy_kernel(x_ref, e_ref, *, t, k, cfg, arith, interpret):
 def _quant_kernel(x_ref, sel_ref, a_ref, gx_ref, *, t, k, cfg, n_sel, arith, interpret, order):
     """One program: ``block_rows`` token rows x the channels of part ``program_id(1)``.
     Inputs: x [T, K] and ``sel_ref`` [T, K/16]: for ``select="split"`` the selected blocks
-    (int8), for "energies" the residual energies (float32), else None. Outputs: the FP16 operand ``a_ref`` [rows, K] in the column ``order``
-    (rows from T on written as zeros) and the per-token global scales ``gx_ref`` [T, 1]."""
+    (int8), for "energies" the residual energies (float32), else None. Outputs: the FP16
+    operand ``a_ref`` [rows, K] in the column ``order`` (rows from T on written as zeros) and
+    the per-token global scales ``gx_ref`` [T, 1]."""
     bm, c = cfg.block_rows, cfg.chunk
     i, p = pl.program_id(0), pl.program_id(1)
     row_sl, row_ok, at, blocks, chunks, row, gx = _program_rows(x_ref, t=t, k=k, cfg=cfg, arith=arith, interpret=interpret)
@@ -249,21 +249,21 @@ def _quant_kernel(x_ref, sel_ref, a_ref, gx_ref, *, t, k, cfg, n_sel, arith, int
     if n_sel > 0:
         residuals = [_residual(q, gx, arith) for q in owned]
         own_energy = [e for _, _, e in residuals]
-        if cfg.select == "energies" and n_sel < k // 16:
+        if n_sel == k // 16:  # rho 1: every block (a NaN energy is unselected, as in the reference's comparison)
+            selected = [e == e for e in own_energy]
+        elif cfg.select == "split":
+            selected = [plgpu.load(sel_ref.at[row_sl, blocks(j)], mask=row_ok, other=0) != 0 for j in range(len(owned))]
+        elif cfg.select == "energies":
             # the first kernel's energies: the owned blocks' (loaded, not recomputed, so both
             # sides of each comparison have the same bits) ranked against the whole row's
             load_e = lambda sl: plgpu.load(sel_ref.at[row_sl, sl], mask=row_ok, other=0.0)
             selected = _top_blocks([load_e(blocks(j)) for j in range(len(owned))], [load_e(pl.ds(0, k // 16))], n_sel)
-        elif sel_ref is not None:
-            selected = [plgpu.load(sel_ref.at[row_sl, blocks(j)], mask=row_ok, other=0) != 0 for j in range(len(owned))]
-        elif n_sel < k // 16:
+        else:
             # with parts > 1 the row's energies come from its whole, quantized once more here
             # (the owned chunks' share again: their index is the program's, not a constant)
             row_energy = own_energy if row is None else [_residual(_quantize_chunk(xe, xo, gx, bm, c, arith), gx, arith)[-1]
                                                         for xe, xo in row]
             selected = _top_blocks(own_energy, row_energy, n_sel)
-        else:  # rho 1: every block (a NaN energy is unselected, as in the reference's comparison)
-            selected = [e == e for e in own_energy]
         gr = gx * rac.RESIDUAL_SCALE_FACTOR
         for j, (re, ro, _) in enumerate(residuals):
             m = selected[j][:, :, None]

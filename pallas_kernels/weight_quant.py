@@ -71,9 +71,7 @@ def _kernel(w_ref, amax_ref, y_ref, *, arith):
     br, bk = w_ref.shape
     nb = bk // nvfp4.BLOCK
     xb = w_ref[...].astype(jnp.float32).reshape(br, nb, 1, nvfp4.BLOCK)  # blocks of one on axis 2
-    # the global scale from the matrix's amax, as nvfp4.global_scale_for, with the kernel's division
-    gs = arith.div(amax_ref[...], nvfp4.E2M1_MAX * nvfp4.E4M3_MAX)  # [br, 1]
-    gs = jnp.where(gs == 0, 1.0, gs)
+    gs = nvfp4.global_scale_from_amax(amax_ref[...], arith=arith)  # [br, 1], with the kernel's division
     amax = jnp.abs(xb).max(-1)  # [br, nb, 1]
     q, s = nvfp4.quantize_blocks(xb, amax, gs[:, :, None], arith=arith)
     y = (q[:, :, 0, :] * s).reshape(br, bk) * gs  # block values exact, times gs rounded once

@@ -374,7 +374,13 @@ def global_scale_for(x, *, keep_axes: Sequence[int] = (), scale_max: float = E4M
     keep = {_normalize_axis(a, x.ndim, "keep_axes") for a in keep_axes}
     red = tuple(i for i in range(x.ndim) if i not in keep)
     amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=red, keepdims=bool(keep))
-    gs = ieee_div(amax, E2M1_MAX * scale_max)
+    return global_scale_from_amax(amax, scale_max=scale_max)
+
+
+def global_scale_from_amax(amax, *, scale_max: float = E4M3_MAX, arith: Arith = XLA_ARITH):
+    """``amax / (6 * scale_max)`` with ``arith``'s division (kernels pass theirs), 1.0 where
+    it is zero: ``global_scale_for`` after its reduction."""
+    gs = arith.div(amax, E2M1_MAX * scale_max)
     return jnp.where(gs == 0, jnp.float32(1.0), gs)
 
 

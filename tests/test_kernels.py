@@ -443,8 +443,8 @@ def test_quantizer_row_split_is_bit_identical(rng):
 
 def test_split_selection_with_two_rows_a_program_and_padded_rows(rng):
     """``select="split"`` (energies from a first kernel, ranked by XLA) and "energies" (ranked by
-    the quantizer) with two token rows a
-    program, an odd T and operand rows padded past T: the reference's bits, rho 0 / 0.5 / 1."""
+    the quantizer) with two token rows a program, an odd T and operand rows padded past T: the
+    reference's bits, rho 0 / 0.5 / 1."""
     x = jnp.asarray(heavy(rng, (11, 256))).astype(jnp.bfloat16)
     for cfg in (pk.QuantConfig(block_rows=2, chunk=64, parts=2, select="split"), pk.QuantConfig(block_rows=2, chunk=128, select="split"),
                 pk.QuantConfig(block_rows=2, chunk=64, parts=2, select="energies")):
