@@ -23,7 +23,8 @@ included: either an all-pairs rank count of the blocks' residual energies inside
 against the whole row's (``select="rank"``, ``_top_blocks``), or, with ``select="split"``, a
 ranking in XLA (``_selected_blocks``: the same count for rows of up to RANK_MAX_BLOCKS
 blocks, a sort beyond) between a first kernel that writes the energies and the quantizer,
-which reads the selection.
+which reads the selection, or, with ``select="energies"``, the same first kernel and the
+quantizer ranking its energies itself (one launch fewer; ``quant_config`` picks by shape).
 """
 
 from __future__ import annotations
@@ -58,9 +59,8 @@ class QuantConfig:
     # kernel, over the whole row's energies, which it computes), "split" (a first kernel
     # writes the residual energies, XLA ranks them, the kernel reads the selection: no
     # whole-row pass in a kernel) or "energies" (the kernel ranks the first kernel's
-    # energies itself: one launch fewer than split; unmeasured). quant_config picks split
-    # below 1024 tokens and for long rows (its docstring)
-    select: str = "split"
+    # energies itself: one launch fewer than split). quant_config picks among them by shape
+    select: str = "energies"
     # programs per token row, each owning K / parts channels (a power of two; the same bits
     # for any value: see the module docstring)
     parts: int = 1
@@ -101,12 +101,14 @@ def quant_config(t: int, k: int, num_sms: int | None = None) -> QuantConfig:
     against one program of 8 warps a row and one warp a row, with or without RAC
     (benchmarks/results/2026-12-06-h100-quant-operand: one program a row 7-48x slower, one warp
     a row 3-18x; the latter 1.8x slower end to end).
-    RAC's selection is ``select="split"`` below 1024 tokens: on an H100 it took 14.8 us at
-    T=256, K=2048, rho 0.5 against 36.4 in-kernel (T=256, K=1024: 9.2 vs 20.0; T=64: 6.7 vs
-    8.6), and 17.7 against 14.3 at T=2048, K=512 (benchmarks/results/2026-12-06-h100-split-select).
-    Rows of more than RANK_MAX_BLOCKS blocks take split at any size: the in-kernel count grows
-    with the square of the blocks. (A 31-step bisection, linear in the blocks, measured slower
-    than both at every shape: 38.7 us at T=2048, K=512; it left the package.)"""
+    RAC's selection below 1024 tokens is ``select="energies"`` (a first kernel writes the
+    residual energies, the quantizer ranks them): on an H100 9.2 us at T=256, K=2048, rho 0.5,
+    against 14.9 for split (XLA ranks them between the kernels) and 36.6 for the in-kernel
+    rank; T=64, K=1024: 4.2 / 6.7 / 8.7 (benchmarks/results/2026-12-06-h100-defaults). From
+    1024 tokens the in-kernel rank wins (T=2048, K=512: 9.4 / 14.2 energies / 16.9 split).
+    Rows of more than RANK_MAX_BLOCKS blocks, or of a block count that is not a power of two
+    (energies loads a row's as one tensor), take split at any size: the in-kernel counts grow
+    with the square of the blocks, split's XLA ranking sorts such rows."""
     num_sms = num_sms or device_sms()
     block_rows = 1 if t < 1024 else 2
     programs = -(-t // block_rows)
@@ -121,8 +123,9 @@ def quant_config(t: int, k: int, num_sms: int | None = None) -> QuantConfig:
     # of T=16, K=4096, RAC 0.5 (benchmarks/results/2026-12-05-offline-sass-quant): 8 parts of
     # 512-channel chunks on 8 warps issue 3568 warp instructions per scheduler, one program a
     # row 7216 (each program issues fewer; the rows' other channels are loaded, not stored)
-    return QuantConfig(block_rows=block_rows, chunk=chunk, num_warps=8 if chunk >= 512 else 4, parts=parts,
-                       select="split" if t < 1024 or k // 16 > RANK_MAX_BLOCKS else "rank")
+    blocks = k // 16
+    select = ("split" if blocks > RANK_MAX_BLOCKS or blocks & (blocks - 1) else "energies" if t < 1024 else "rank")
+    return QuantConfig(block_rows=block_rows, chunk=chunk, num_warps=8 if chunk >= 512 else 4, parts=parts, select=select)
 
 
 # ----------------------------------------------------------------------------- kernel

@@ -311,7 +311,7 @@ def test_word_decode_steps_and_layout_equal_the_format():
 
 def test_decode_tiles_follow_the_measured_choices():
     """The decode-size heuristic (pallas_kernels.tiling.gemm_config, run-12 measurements): the
-    word decode at 128-wide tiles; the grouped GEMM at 64-wide tiles,
+    word decode at 128-wide tiles, the grouped GEMM too,
     activation values with words; K tiles the word decode cannot split fall back to bits."""
     from pallas_kernels import tiling
 
@@ -327,8 +327,10 @@ def test_decode_tiles_follow_the_measured_choices():
     assert (mid.block_m, mid.decode, mid.swap_ab, mid.path, mid.split_k) == (64, "words", True, "fused", 4)
     small = tiling.gemm_config(16, 768, 2048)
     assert (small.block_k, small.split_k) == (128, 8)  # few N tiles: deep split, 2 K tiles a program
+    # grouped: 128-wide N tiles, M tiles of about twice an expert's mean rows (8 -> 16, 32 -> 64)
     g = tiling.gemm_config(8, 768, 2048, programs_per_row_tile=64)
-    assert (g.decode, g.block_n) == ("words", 64)
+    assert (g.decode, g.block_n, g.block_m) == ("words", 128, 16)
+    assert tiling.gemm_config(32, 1024, 1024, programs_per_row_tile=64).block_m == 64
     assert tiling.gemm_config(16, 768, 96).decode == "bits"  # K tile 32
     # the split follows the device's multiprocessors (here given): fewer SMs, less split
     assert tiling.gemm_config(16, 768, 2048, num_sms=16).split_k < small.split_k
@@ -483,9 +485,10 @@ def test_quant_config_splits_rows_at_decode_sizes():
     assert [quant_config(t, 4096).parts for t in (1, 16, 64, 128, 4096)] == [16, 8, 2, 2, 2]
     assert quant_config(256, 512).parts == 2 and quant_config(256, 768).parts == 1  # two a row where K allows it
     assert quant_config(2048, 512).parts == 1 and quant_config(2048, 1024).parts == 2  # two-token programs: whole rows to 512
-    # RAC's selection: split below 1024 tokens and for rows past RANK_MAX_BLOCKS blocks, else ranked in the kernel
-    assert [quant_config(t, k).select for t, k in ((16, 4096), (256, 1024), (2048, 512), (2048, 8192))] == [
-        "split", "split", "rank", "split"]
+    # RAC's selection: the first kernel's energies ranked in the quantizer below 1024 tokens, ranked in
+    # the kernel from 1024, and by XLA (split) for rows past RANK_MAX_BLOCKS or of a non-power-of-two block count
+    assert [quant_config(t, k).select for t, k in ((16, 4096), (256, 1024), (2048, 512), (2048, 8192), (16, 768), (64, 8192))] == [
+        "energies", "energies", "rank", "split", "split", "split"]
     assert quant_config(16, 2048).parts == 8 and quant_config(16, 1024).parts == 4  # each part owns >= 256 channels
     for t, k in ((1, 4096), (16, 4096), (64, 1024), (16, 768), (4096, 4096)):
         cfg = quant_config(t, k)
