@@ -130,7 +130,7 @@ def pad_axis(x, axis: int, size: int):
 # HI[m] and low byte LO[m]. ``prmt`` looks up four bytes from an 8-byte table at once, given
 # four 3-bit selectors in the nibbles of its selector register; a second ``prmt`` pairs the
 # high and low bytes into BF16x2 words; ``mul.rn.bf16x2`` applies the scale (exact: 6
-# significant bits); the sign bits are moved to bits 15 and 31 by one multiply and a mask.
+# significant bits); a third ``prmt`` of the codes moves the sign bits to bits 15 and 31.
 
 HI_BYTES = (0x00, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40)  # BF16 bits 15..8 of 0, .5, 1, 1.5, 2, 3, 4, 6
 LO_BYTES = (0x00, 0x00, 0x80, 0xC0, 0x00, 0x40, 0x80, 0xC0)  # BF16 bits 7..0
@@ -172,7 +172,10 @@ def _lookup_ptx(key):
 # in its nibbles 0..3, so the looked-up bytes come in the order 0, 2, 1, 3; the pairing permutes
 # (bytes of LO are 0-3, of HI 4-7) put values 0, 1 in the first word and 2, 3 in the second
 PAIR_01, PAIR_23 = 0x6240, 0x7351
-SIGN_SPREAD = (1 << 12) | (1 << 20)  # bit 3 -> 15 and bit 11 -> 31 (the cross terms land on 23)
+# the signs: a code's bit 3 is its byte's bit 7 (high nibbles; the low ones after a shift left
+# by 4); one byte permute of the word moves bytes (2 half, 2 half + 1) to bytes 1 and 3, so the
+# pair's signs land on bits 15 and 31
+SIGN_BYTES = (0x1000, 0x3222)
 
 
 # ----------------------------------------------------------------------------- codes as 32-bit words
@@ -192,15 +195,17 @@ def _word_pair_ptx(shift: int, half: int, key: str = "bf16") -> str:
     scale pair $2 -> one BF16x2 / FP16x2 word $0 (the first byte's value in the low half)."""
     src = "$1" if shift == 0 else "qc"
     pair = PAIR_01 if half == 0 else PAIR_23
-    sign = f"and.b32 qsg, {src}, 0x808;" if half == 0 else f"shr.u32 qsg, {src}, 16;\n    and.b32 qsg, qsg, 0x808;"
+    signs = "qs" if shift == 0 else "$1"  # the pair's sign bits at bit 7 of their bytes
     return (
-        "{\n    .reg .b32 qt, qsel, qhi, qlo, qm, qsg, qc, qha, qhb, qla, qlb;\n"
+        "{\n    .reg .b32 qt, qsel, qhi, qlo, qm, qsg, qc, qs, qha, qhb, qla, qlb;\n"
         + _tables_ptx(key)
         + f"    shr.u32 qc, $1, {shift};\n    and.b32 qt, {src}, 0x07070707;\n"
         "    shr.u32 qsel, qt, 12;\n    or.b32 qsel, qsel, qt;\n"
         + _lookup_ptx(key)
-        + f"    prmt.b32 qm, qlo, qhi, {pair:#x};\n    mul.rn.{OPERAND_TABLES[key][2]} qm, qm, $2;\n    {sign}\n"
-        f"    mul.lo.u32 qsg, qsg, {SIGN_SPREAD:#x};\n    and.b32 qsg, qsg, 0x80008000;\n    or.b32 $0, qm, qsg;\n}}"
+        + f"    prmt.b32 qm, qlo, qhi, {pair:#x};\n    mul.rn.{OPERAND_TABLES[key][2]} qm, qm, $2;\n"
+        + ("    shl.b32 qs, $1, 4;\n" if shift == 0 else "")
+        + f"    prmt.b32 qsg, {signs}, {signs}, {SIGN_BYTES[half]:#x};\n"
+        "    and.b32 qsg, qsg, 0x80008000;\n    or.b32 $0, qm, qsg;\n}"
     )
 
 

@@ -244,25 +244,53 @@ def _prmt(a, b, sel):
     return out
 
 
-def word_decode_emulated(words, key="bf16"):
-    """The integer steps of ``tile_math.WORD_DECODE_PTX[key]`` on uint32 numpy words, without
-    the scale product: [n, 8] BF16 (or FP16) bit patterns in WORD_CHANNELS order."""
+def _mul_x2(a, b, dt):
+    """PTX ``mul.rn.bf16x2`` / ``mul.rn.f16x2``: two 16-bit products, rounded to nearest even."""
+    halves = lambda v: np.stack([v & np.uint32(0xFFFF), v >> np.uint32(16)], -1).astype(np.uint16).view(dt).astype(np.float32)
+    prod = (halves(a) * halves(b)).astype(dt).view(np.uint16).astype(np.uint32)
+    return prod[..., 0] | (prod[..., 1] << np.uint32(16))
+
+
+def run_ptx(ptx, args):
+    """Execute an inline-PTX program of ``tile_math`` on uint32 numpy arrays: ``args`` maps
+    $1, $2, ... to arrays; returns $0. Knows the instructions those programs use and fails on
+    any other, so the test runs the kernels' PTX text itself, not a copy of its steps."""
+    import ml_dtypes
+
+    regs = {k: np.asarray(v, np.uint32) for k, v in args.items()}
+    shape = next(iter(regs.values())).shape
+    val = lambda o: regs[o] if o in regs else np.full(shape, int(o, 0), np.uint32)
+    ops = {"mov.b32": lambda a: a, "shr.u32": lambda a, n: a >> n, "shl.b32": lambda a, n: a << n,
+           "and.b32": lambda a, b: a & b, "or.b32": lambda a, b: a | b, "prmt.b32": _prmt,
+           "mul.lo.u32": lambda a, b: (a.astype(np.uint64) * b).astype(np.uint32),
+           "mul.rn.bf16x2": lambda a, b: _mul_x2(a, b, ml_dtypes.bfloat16), "mul.rn.f16x2": lambda a, b: _mul_x2(a, b, np.float16)}
+    for line in ptx.splitlines():
+        line = line.strip().rstrip(";")
+        if line in ("{", "}") or line.startswith(".reg"):
+            continue
+        op, rest = line.split(None, 1)
+        if op not in ops:
+            raise NotImplementedError(f"run_ptx: {op}")
+        dst, *src = [o.strip() for o in rest.split(",")]
+        regs[dst] = ops[op](*map(val, src)).astype(np.uint32)
+    return regs["$0"]
+
+
+def word_decode_emulated(words, key="bf16", scale=1.0):
+    """``tile_math.WORD_DECODE_PTX[key]`` run on uint32 numpy words with one scale for every
+    block: [n, 8] BF16 (or FP16) bit patterns in WORD_CHANNELS order."""
+    import ml_dtypes
+
     from pallas_kernels import tile_math as tm
 
     words = np.asarray(words, np.uint32)
-    hi_t, lo_t, _ = tm.OPERAND_TABLES[key]
-    hia, hib, loa, lob = [np.full_like(words, tm._word(t, s), dtype=np.uint32) for t in (hi_t, lo_t) for s in (0, 4)]
+    dt = {"bf16": ml_dtypes.bfloat16, "f16": np.float16}[key]
+    s16 = np.uint32(np.asarray(scale, dt).view(np.uint16))
+    pair = np.full_like(words, s16 * np.uint32(0x10001))
     out = []
-    for shift in (0, 4):
-        c = words >> np.uint32(shift)
-        t = c & np.uint32(0x07070707)
-        sel = t | (t >> np.uint32(12))
-        hi, lo = _prmt(hia, hib, sel), _prmt(loa, lob, sel)
-        for half, pair in ((0, tm.PAIR_01), (1, tm.PAIR_23)):
-            m = _prmt(lo, hi, np.full_like(c, pair))
-            src = c if half == 0 else c >> np.uint32(16)
-            m = m | (((src & np.uint32(0x808)) * np.uint32(tm.SIGN_SPREAD)) & np.uint32(0x80008000))
-            out += [m & 0xFFFF, m >> 16]
+    for ptx in tm.WORD_DECODE_PTX[key]:
+        m = run_ptx(ptx, {"$1": words, "$2": pair})
+        out += [m & 0xFFFF, m >> 16]
     return np.stack(out, axis=-1).astype(np.uint16)
 
 
@@ -287,7 +315,7 @@ def test_gemm_decode_variants_equal_xla(rng, decode, swap_ab):
 
 
 def test_word_decode_steps_and_layout_equal_the_format():
-    """decode='words': the emulated integer steps of the four PTX programs give every code's
+    """decode='words': the four PTX programs, run by a numpy PTX interpreter, give every code's
     BF16 (and FP16) bits in the WORD_CHANNELS order; the byte-to-word packing and the
     activations' part order are the matching permutations."""
     from pallas_kernels import tile_math
@@ -298,6 +326,14 @@ def test_word_decode_steps_and_layout_equal_the_format():
         got = word_decode_emulated(words, key)  # [512, 8]
         for p, ch in enumerate(tile_math.WORD_CHANNELS):
             np.testing.assert_array_equal(got[:, p], e2m1_bits((words >> np.uint32(4 * ch)) & np.uint32(15), key))
+        # with a block scale (E4M3 values: exact products in both types, -0 kept)
+        for scale in (448.0, 0.001953125, 1.375):
+            got = word_decode_emulated(words, key, scale).view({"bf16": jnp.bfloat16, "f16": np.float16}[key]).astype(np.float32)
+            for p, ch in enumerate(tile_math.WORD_CHANNELS):
+                want = np.asarray(nvfp4.decode_e2m1_bf16(jnp.asarray((words >> np.uint32(4 * ch)) & np.uint32(15), jnp.int32)),
+                                  np.float32) * np.float32(scale)
+                np.testing.assert_array_equal(got[:, p], want)
+                np.testing.assert_array_equal(np.signbit(got[:, p]), np.signbit(want))
     codes = jnp.asarray(rng.integers(0, 256, (3, 64), dtype=np.uint8))
     w = np.asarray(nvfp4.code_words(codes))
     np.testing.assert_array_equal(w.view(np.uint8).reshape(3, 64), np.asarray(codes))  # the same bytes, little-endian
