@@ -1,7 +1,7 @@
 """The kernel benchmark: a registry of op x shape x implementation, each entry checked against
 its XLA reference, then timed on the device, written as JSON and a markdown table.
 
-    PYTHONPATH=. python benchmarks/bench_kernels.py --out DIR [--regimes quant,dense,grouped,train_grouped,attention]
+    PYTHONPATH=. python benchmarks/bench_kernels.py --out DIR [--regimes quant,dense,grouped,train_grouped,attention,routing]
         [--budget SECONDS] [--tiny]
 
 Regimes (``--regimes``), each a list of ``Case``s built by one function below:
@@ -22,6 +22,8 @@ Regimes (``--regimes``), each a list of ``Case``s built by one function below:
                    tiles and dW kernel against its heuristic tiles, its Triton kernel and XLA;
                    and our dW kernel alone in both program orders
     attention      decode attention over a KV cache (the rollout's): Pallas against XLA
+    routing        the MoE's placement of routed assignments in expert order at decode sizes:
+                   counted by comparison against XLA's argsort
 
 Every case reports us (CUPTI), its time over its byte limit (bytes it must move over the copy
 bandwidth measured in this run) and its fraction of the measured BF16 matmul peak. "kept" marks
@@ -347,8 +349,29 @@ def weight_quant_cases(tiny: bool):
     return cases
 
 
+def routing_cases(tiny: bool):
+    """The MoE's placement of the routed (token, slot) assignments in expert order at decode
+    sizes (batch x top-8 of 64 experts): counted by comparison (the default up to
+    RANK_BY_COMPARISON_MAX) against XLA's stable argsort."""
+    import jax.numpy as jnp
+
+    from quads_jax.model import moe
+
+    rng = np.random.default_rng(5)
+    cases = []
+    for m in (64,) if tiny else (512, 2048, 4096):
+        flat = jnp.asarray(rng.integers(0, 64, m), jnp.int32)
+        ref = lambda f: moe.expert_positions(f, max_compare=0)
+        common = dict(ref=ref, exact=True, bytes=m * 12.0)
+        cases += [Case("routing", f"M{m} (64 experts)", "expert positions", "by comparison", moe.expert_positions, (flat,),
+                       kept=m <= moe.RANK_BY_COMPARISON_MAX, **common),
+                  Case("routing", f"M{m} (64 experts)", "expert positions", "argsort", ref, (flat,),
+                       kept=m > moe.RANK_BY_COMPARISON_MAX, **common)]
+    return cases
+
+
 REGIMES = {"quant": quant_cases, "weight_quant": weight_quant_cases, "dense": dense_cases, "grouped": grouped_cases, "train_grouped": train_grouped_cases,
-           "attention": attention_cases}
+           "attention": attention_cases, "routing": routing_cases}
 
 
 # ----------------------------------------------------------------------------- the runner

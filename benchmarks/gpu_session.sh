@@ -34,7 +34,7 @@ run_stage() {
     gpu_tests) stage "${GPU_TESTS_CAP:-150}" gpu_tests python3 -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider \
                  ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} ;;
     kernels) stage "${KERNELS_CAP:-240}" kernels python3 benchmarks/bench_kernels.py --out "$o/kernels" \
-               --regimes "${KERNEL_REGIMES:-quant,weight_quant,dense,grouped,train_grouped,attention}" --budget $(( ${KERNELS_CAP:-240} - 20 )) \
+               --regimes "${KERNEL_REGIMES:-quant,weight_quant,dense,grouped,train_grouped,attention,routing}" --budget $(( ${KERNELS_CAP:-240} - 20 )) \
                --match "${KERNEL_MATCH:-}" ;;
     rollout_scale) stage "${ROLLOUT_SCALE_CAP:-330}" rollout_scale python3 benchmarks/bench_rollout.py --out "$o/rollout_scale" \
                      --budget $(( ${ROLLOUT_SCALE_CAP:-330} - 30 )) ${ROLLOUT_SCALE_ARGS:-} ;;

@@ -117,6 +117,19 @@ def test_aux_loss_hand_case():
     np.testing.assert_allclose(M.load_balance_loss(jnp.full((2, 2), 0.5), jnp.array([[0], [1]]), 2), 1.0)
 
 
+@pytest.mark.parametrize("m", [1, 48, 2048, M.RANK_BY_COMPARISON_MAX + 8])
+def test_expert_positions_are_the_stable_sort_and_its_inverse(m):
+    """Both ways of placing the assignments (counted up to RANK_BY_COMPARISON_MAX, sorted
+    beyond) give numpy's stable argsort and its inverse, ties (few experts) included."""
+    rng = np.random.default_rng(m)
+    for n_experts in (1, 3, 64):
+        flat = rng.integers(0, n_experts, m).astype(np.int32)
+        order, inv = (np.asarray(a) for a in jax.jit(M.expert_positions)(jnp.asarray(flat)))
+        want = np.argsort(flat, kind="stable")
+        np.testing.assert_array_equal(order, want)
+        np.testing.assert_array_equal(inv[want], np.arange(m))
+
+
 def test_dropless_moe_equals_loop_over_experts():
     rng = np.random.default_rng(0)
     n, d, f, e, k = 24, 32, 16, 6, 2
