@@ -59,8 +59,9 @@ class QuantConfig:
     # kernel, over the whole row's energies, which it computes), "split" (a first kernel
     # writes the residual energies, XLA ranks them, the kernel reads the selection: no
     # whole-row pass in a kernel) or "energies" (the kernel ranks the first kernel's
-    # energies itself: one launch fewer than split). quant_config picks among them by shape
-    select: str = "energies"
+    # energies itself: one launch fewer than split; rows of a power-of-two block count).
+    # quant_config picks among them by shape; this default is the one valid for every K
+    select: str = "split"
     # programs per token row, each owning K / parts channels (a power of two; the same bits
     # for any value: see the module docstring)
     parts: int = 1
