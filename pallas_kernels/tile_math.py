@@ -199,7 +199,8 @@ def _word_pair_ptx(shift: int, half: int, key: str = "bf16") -> str:
     return (
         "{\n    .reg .b32 qt, qsel, qhi, qlo, qm, qsg, qc, qs, qha, qhb, qla, qlb;\n"
         + _tables_ptx(key)
-        + f"    shr.u32 qc, $1, {shift};\n    and.b32 qt, {src}, 0x07070707;\n"
+        + (f"    shr.u32 qc, $1, {shift};\n" if shift else "")
+        + f"    and.b32 qt, {src}, 0x07070707;\n"
         "    shr.u32 qsel, qt, 12;\n    or.b32 qsel, qsel, qt;\n"
         + _lookup_ptx(key)
         + f"    prmt.b32 qm, qlo, qhi, {pair:#x};\n    mul.rn.{OPERAND_TABLES[key][2]} qm, qm, $2;\n"

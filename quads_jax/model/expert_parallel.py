@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as PS
 
 from quads_jax import sharding as S
-from quads_jax.model.moe import expert_ffn
+from quads_jax.model.moe import expert_ffn, expert_positions
 
 
 def _pack(ids, ep: int, e_local: int, cap: int):
@@ -50,10 +50,10 @@ def _local(x, ids, weights, w_gate, w_up, w_down, *, prec, dtype, ep, cap):
     recv_e = jax.lax.all_to_all(send_e, "expert", 0, 0, tiled=True)
     rx, re = recv_x.reshape(ep * cap, d), recv_e.reshape(ep * cap)
     # local dropless FFN; empty slots carry expert id e_local and sort last, outside every group
-    order = jnp.argsort(re, stable=True)
+    order, inv = expert_positions(re)
     sizes = jnp.bincount(re, length=e_local + 1)[:e_local].astype(jnp.int32)
     ys = expert_ffn(rx[order], w_gate, w_up, w_down, sizes, prec, dtype)
-    y = jnp.zeros_like(ys).at[order].set(ys).reshape(ep, cap, -1)
+    y = ys.at[inv].get(unique_indices=True).reshape(ep, cap, -1)
     back = jax.lax.all_to_all(y, "expert", 0, 0, tiled=True)  # [ep, cap, d] for our own assignments
     got = back[dest, jnp.minimum(slot, cap - 1)]
     wts = jnp.where(kept, weights.reshape(-1), 0.0)
