@@ -316,9 +316,15 @@ def attention_cases(tiny: bool):
         common = dict(bytes=2 * live * hkv * dh * 2, flops=4 * live * h * dh, tol=1e-2)
         ref = lambda q, k, v, n: pk.decode_attention(q, k, v, n, impl="xla")
         shape = f"B{b} cache {s} ({h} heads / {hkv} kv, d {dh})"
-        cases += [Case("attention", shape, "decode attention", "pallas", lambda q, k, v, n: pk.decode_attention(q, k, v, n),
-                       (q, k, v, lengths), ref=ref, kept=True, **common),
-                  Case("attention", shape, "decode attention", "xla", ref, (q, k, v, lengths), **common)]
+        # the default config, then other key blocks, pipeline depths, warps and splits
+        variants = {"default": pk.DecodeAttentionConfig()}
+        for f, vals in (("block_k", (32, 128)), ("num_stages", (3, 4)), ("num_warps", (2, 8)), ("splits", (2, 4))):
+            variants.update({f"{f} {x}": dataclasses.replace(variants["default"], **{f: x}) for x in vals})
+        for name, c in variants.items():
+            cases.append(Case("attention", shape, "decode attention", f"pallas {name}",
+                              lambda q, k, v, n, c=c: pk.decode_attention(q, k, v, n, config=c), (q, k, v, lengths), ref=ref,
+                              kept=name == "default", **common))
+        cases.append(Case("attention", shape, "decode attention", "xla", ref, (q, k, v, lengths), **common))
     return cases
 
 

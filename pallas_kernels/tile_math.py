@@ -136,9 +136,12 @@ HI_BYTES = (0x00, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40)  # BF16 bits 15..8 o
 LO_BYTES = (0x00, 0x00, 0x80, 0xC0, 0x00, 0x40, 0x80, 0xC0)  # BF16 bits 7..0
 # FP16 operands (RAC's summed activation, ``rac.compensated_values``, is FP16): an E2M1
 # magnitude's FP16 pattern has one mantissa bit, in the high byte; its low byte is zero, so
-# the second lookup is a zero register. E2M1 x E4M3 is exact in FP16 too (6 significant bits,
-# magnitudes 2**-10 .. 2688).
-HI_BYTES_F16 = (0x00, 0x38, 0x3C, 0x3E, 0x40, 0x42, 0x44, 0x46)
+# the second lookup is a zero register. The table holds the magnitudes times 2**8 and the
+# scale enters as s * 2**-8, whose FP16 bits are the E4M3 bits shifted left by 7
+# (``scale_halves``): the product is the same, exact (6 significant bits, magnitudes
+# 2**-10 .. 2688; s * 2**-8 >= 2**-17 has at most 4 significant bits, exact as an FP16
+# subnormal).
+HI_BYTES_F16 = (0x00, 0x58, 0x5C, 0x5E, 0x60, 0x62, 0x64, 0x66)  # 0, .5, 1, 1.5, 2, 3, 4, 6 times 2**8
 # per operand type: (high-byte table, low-byte table or None for zeros, the PTX product type)
 OPERAND_TABLES = {"bf16": (HI_BYTES, LO_BYTES, "bf16x2"), "f16": (HI_BYTES_F16, None, "f16x2")}
 
@@ -150,6 +153,17 @@ def operand_key(dtype) -> str:
     if jnp.dtype(dtype) == jnp.bfloat16:
         return "bf16"
     raise ValueError(f"dtype={dtype}: the weight decode produces bfloat16 or float16 operands")
+
+
+def scale_halves(scale_bits, key: str):
+    """E4M3 scale bits (any int type) -> the uint32 16-bit pattern that multiplies the decode
+    table's values in ``mul.rn`` for operand type ``key``: the scale's BF16 bits, or for FP16
+    the bits of s * 2**-8, ``(b & 0x7F) << 7`` (two integer operations, no float conversion;
+    the FP16 table is scaled by 2**8), with E4M3's NaN kept as an FP16 NaN."""
+    if key == "bf16":
+        return jax.lax.bitcast_convert_type(scales_as(scale_bits, jnp.bfloat16), jnp.uint16).astype(jnp.uint32)
+    mag = scale_bits.astype(jnp.uint32) & 0x7F
+    return jnp.where(mag == 0x7F, jnp.uint32(0x7E00), mag << 7)
 
 
 def _word(table, start):
@@ -244,13 +258,12 @@ def decode_words(words, scale_bits, rows, bk, interpret=False, dtype=jnp.bfloat1
     [rows, bk/8] of the tile's block values in ``dtype`` (BF16 or FP16, exact), in
     WORD_CHANNELS order."""
     key = operand_key(dtype)
-    s = scales_as(scale_bits, dtype)  # [rows, bk/16]
     if interpret:
+        s = scales_as(scale_bits, dtype)  # [rows, bk/16]
         s = jnp.broadcast_to(s[:, :, None], (rows, bk // 16, 2)).reshape(rows, bk // 8)
         w = words.astype(jnp.uint32)
         return [nvfp4.decode_e2m1_bf16(((w >> (4 * ch)) & 15).astype(jnp.int32)).astype(dtype) * s for ch in WORD_CHANNELS]
-    s16 = jax.lax.bitcast_convert_type(s, jnp.uint16).astype(jnp.uint32)
-    s2 = jnp.broadcast_to((s16 * 0x10001)[:, :, None], (rows, bk // 16, 2)).reshape(rows, bk // 8)
+    s2 = jnp.broadcast_to((scale_halves(scale_bits, key) * 0x10001)[:, :, None], (rows, bk // 16, 2)).reshape(rows, bk // 8)
     parts = []
     for ptx in WORD_DECODE_PTX[key]:
         [o] = plgpu.elementwise_inline_asm(ptx, args=[words, s2], constraints="=r,r,r", pack=1,

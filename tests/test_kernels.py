@@ -281,15 +281,16 @@ def run_ptx(ptx, args):
 
 
 def word_decode_emulated(words, key="bf16", scale=1.0):
-    """``tile_math.WORD_DECODE_PTX[key]`` run on uint32 numpy words with one scale for every
-    block: [n, 8] BF16 (or FP16) bit patterns in WORD_CHANNELS order."""
+    """``tile_math.WORD_DECODE_PTX[key]`` run on uint32 numpy words with one E4M3 block scale
+    for every block, entering as the kernel passes it (``tile_math.scale_halves``): [n, 8]
+    BF16 (or FP16) bit patterns in WORD_CHANNELS order."""
     import ml_dtypes
 
     from pallas_kernels import tile_math as tm
 
     words = np.asarray(words, np.uint32)
-    dt = {"bf16": ml_dtypes.bfloat16, "f16": np.float16}[key]
-    s16 = np.uint32(np.asarray(scale, dt).view(np.uint16))
+    bits = jnp.asarray(np.asarray(scale, ml_dtypes.float8_e4m3fn).view(np.uint8))
+    s16 = np.uint32(np.asarray(tm.scale_halves(bits, key)))
     pair = np.full_like(words, s16 * np.uint32(0x10001))
     out = []
     for ptx in tm.WORD_DECODE_PTX[key]:
@@ -330,14 +331,17 @@ def test_word_decode_steps_and_layout_equal_the_format():
         got = word_decode_emulated(words, key)  # [512, 8]
         for p, ch in enumerate(tile_math.WORD_CHANNELS):
             np.testing.assert_array_equal(got[:, p], e2m1_bits((words >> np.uint32(4 * ch)) & np.uint32(15), key))
-        # with a block scale (E4M3 values: exact products in both types, -0 kept)
-        for scale in (448.0, 0.001953125, 1.375):
+        # with a block scale (E4M3 values, subnormal ones included: exact products in both
+        # types, -0 kept)
+        for scale in (448.0, 0.001953125, 0.013671875, 1.375, 0.0):
             got = word_decode_emulated(words, key, scale).view({"bf16": jnp.bfloat16, "f16": np.float16}[key]).astype(np.float32)
             for p, ch in enumerate(tile_math.WORD_CHANNELS):
                 want = np.asarray(nvfp4.decode_e2m1_bf16(jnp.asarray((words >> np.uint32(4 * ch)) & np.uint32(15), jnp.int32)),
                                   np.float32) * np.float32(scale)
                 np.testing.assert_array_equal(got[:, p], want)
                 np.testing.assert_array_equal(np.signbit(got[:, p]), np.signbit(want))
+        assert np.isnan(word_decode_emulated(words, key, np.nan).view({"bf16": jnp.bfloat16, "f16": np.float16}[key])
+                        .astype(np.float32)).all()  # a NaN scale (E4M3 0x7F) gives NaN
     codes = jnp.asarray(rng.integers(0, 256, (3, 64), dtype=np.uint8))
     w = np.asarray(nvfp4.code_words(codes))
     np.testing.assert_array_equal(w.view(np.uint8).reshape(3, 64), np.asarray(codes))  # the same bytes, little-endian
