@@ -325,6 +325,33 @@ def attention_cases(tiny: bool):
                               lambda q, k, v, n, c=c: pk.decode_attention(q, k, v, n, config=c), (q, k, v, lengths), ref=ref,
                               kept=name == "default", **common))
         cases.append(Case("attention", shape, "decode attention", "xla", ref, (q, k, v, lengths), **common))
+    # training attention (no cache): forward and both backward products for a given cotangent,
+    # at the trainer bench's rows of 4096 tokens; the XLA reference only where its [B, H, T, T]
+    # FP32 scores fit
+    import jax
+
+    for b, t in ((2, 64),) if tiny else ((2, 4096), (8, 4096)):
+        q = jnp.asarray(rng.standard_normal((b, t, h, dh)), jnp.bfloat16)
+        k, v = (jnp.asarray(rng.standard_normal((b, t, hkv, dh)), jnp.bfloat16) for _ in range(2))
+        lengths = jnp.full((b,), t, jnp.int32)  # whole rows: outputs at padded positions are unspecified
+        ct = jnp.asarray(rng.standard_normal((b, t, h, dh)), jnp.bfloat16)
+
+        def grad(impl):
+            def f(q, k, v, n, ct):
+                o, vjp = jax.vjp(lambda q, k, v: pk.causal_attention(q, k, v, n, impl=impl), q, k, v)
+                return (o, *vjp(ct))
+            return f
+
+        pairs = b * t * (t + 1) / 2  # causal (query, key) pairs
+        # fwd 2 matmuls, bwd 5 (the recomputed scores among them): 7 x 2 x pairs x heads x d
+        common = dict(bytes=float(2 * (2 * q.size + 2 * k.size + 2 * v.size)), flops=14.0 * pairs * h * dh, tol=2e-2)
+        shape = f"train B{b} T{t} ({h} heads / {hkv} kv, d {dh})"
+        ref = grad("xla") if tiny or b * h * t * t * 4 <= 2**32 else None
+        for impl in ("cudnn", "tokamax"):
+            cases.append(Case("attention", shape, "fwd+bwd", impl, grad(impl), (q, k, v, lengths, ct), ref=ref,
+                              kept=impl == "cudnn", **common))
+        if ref is not None:
+            cases.append(Case("attention", shape, "fwd+bwd", "xla", ref, (q, k, v, lengths, ct), **common))
     return cases
 
 
