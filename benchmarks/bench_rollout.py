@@ -94,15 +94,16 @@ def step_seconds(eng, batch, live, bursts=6):
     return (time.perf_counter() - t0) / (bursts * eng.decode_burst)
 
 
-def kernels_per_step(eng, batch, live, top=80):
+def kernels_per_step(eng, batch, live, top=80, hlo_path=None):
     """CUPTI time of each kernel (us, summed over its launches) in one decode step: a 16-step
     burst (the engine's loop, not donated here) profiled, divided by 16. The JSON keeps the
-    ``top`` largest; the markdown shows the first 14."""
-    per = H.breakdown(eng._burst_impl, *_burst_args(eng, batch, live), iterations=5)
+    ``top`` largest; the markdown shows the first 14. ``hlo_path``: the burst's optimized HLO
+    (gzip), to map XLA's fusion names to the model's operations."""
+    per = H.breakdown(eng._burst_impl, *_burst_args(eng, batch, live), iterations=5, hlo_path=hlo_path)
     return H.top_kernels(per, top, steps=eng.decode_burst)
 
 
-def sweep(res, cfg, params, recipes, batches, prompts, new_tokens, copy_tbps, deadline, prompt_len=64, profile=()):
+def sweep(res, cfg, params, recipes, batches, prompts, new_tokens, copy_tbps, deadline, prompt_len=64, profile=(), hlo_dir=None):
     from quads_jax import precision as P
     from rollout.engine import Engine, Request
 
@@ -141,7 +142,8 @@ def sweep(res, cfg, params, recipes, batches, prompts, new_tokens, copy_tbps, de
                     row["output_tok_per_s_skipped"] = "time budget"
                 if batch in profile:
                     try:
-                        row["kernels_us_per_step"] = kernels_per_step(eng, batch, live)
+                        hlo = os.path.join(hlo_dir, f"decode_step_{recipe}_B{batch}.hlo.txt.gz") if hlo_dir else None
+                        row["kernels_us_per_step"] = kernels_per_step(eng, batch, live, hlo_path=hlo)
                     except Exception as e:
                         row["kernels_error"] = f"{type(e).__name__}: {e}"[:300]
                 out[key] = row
@@ -239,7 +241,7 @@ def main():
     try:
         sweep(res, cfg, params, a.recipes.split(","), [int(b) for b in a.batches.split(",")], a.prompts, a.new_tokens,
               ceil.get("copy_TBps") or 1.0, t_start + a.budget, prompt_len=16 if a.tiny else 64,
-              profile=[int(b) for b in a.profile_batches.split(",") if b])
+              profile=[int(b) for b in a.profile_batches.split(",") if b], hlo_dir=a.out)
     except Exception as e:
         res.data["errors"]["sweep"] = f"{type(e).__name__}: {e}"[:600]
         traceback.print_exc()

@@ -56,13 +56,19 @@ def timer():
     return measure
 
 
-def breakdown(f, *args, iterations=20):
+def breakdown(f, *args, iterations=20, hlo_path=None):
     """CUPTI time (us, median over ``iterations``) of each kernel of one call of ``f``, keyed
-    "index:name" in launch order."""
+    "index:name" in launch order. ``hlo_path``: also write the optimized HLO of that very
+    executable there (gzip text), whose fusion names are the profile's kernel names."""
+    import gzip
+
     import jax
     from jax.experimental.mosaic.gpu import profiler
 
-    jf = jax.jit(f)
+    jf = jax.jit(f).lower(*args).compile()
+    if hlo_path:
+        with gzip.open(hlo_path, "wt") as fh:
+            fh.write(jf.as_text())
     jax.block_until_ready(jf(*args))
     _, per_iter = profiler.measure(jf, aggregate=False, iterations=iterations)(*args)
     if not per_iter:

@@ -103,11 +103,24 @@ def decode_tile(codes, scale_bits, rows, bk, dtype=jnp.bfloat16):
     """Packed codes [rows, bk/2] (uint8) and E4M3 scale bits [rows, bk/16] -> the even and
     odd channels' block values in ``dtype``, BF16 or FP16 (exact: E2M1 x E4M3 has at most 6
     significant bits), each [rows, bk/2]: BF16 bit patterns, one product by the scale."""
-    operand_key(dtype)
+    key = operand_key(dtype)
     c = codes.astype(jnp.int32)
-    s = scales_as(scale_bits, dtype)
+    if key == "f16":  # as the word decode: magnitudes times 2**8, the scale as s * 2**-8 (no float conversion)
+        s = jax.lax.bitcast_convert_type(scale_halves(scale_bits, key).astype(jnp.uint16), jnp.float16)
+        values = _e2m1_f16_times_256
+    else:
+        s, values = scales_as(scale_bits, dtype), nvfp4.decode_e2m1_bf16
     s = jnp.broadcast_to(s[:, :, None], (rows, bk // 16, 8)).reshape(rows, bk // 2)
-    return tuple(nvfp4.decode_e2m1_bf16(v).astype(dtype) * s for v in (c & 15, c >> 4))
+    return tuple(values(v) * s for v in (c & 15, c >> 4))
+
+
+def _e2m1_f16_times_256(c):
+    """4-bit codes (int32) -> FP16 E2M1 values times 2**8, from bits: the magnitude's pattern
+    is ``(m + 44) << 9`` for the normal codes m = 2..7 and ``m * 0x5800`` (0 or 128) for
+    m = 0, 1; the sign moves to bit 15 (``HI_BYTES_F16`` as whole FP16 patterns)."""
+    m = c & 7
+    bits = jnp.where(m < 2, m * 0x5800, (m + 44) << 9) | ((c & 8) << 12)
+    return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.float16)
 
 
 def kernel_arith(interpret: bool) -> nvfp4.Arith:
@@ -158,12 +171,13 @@ def operand_key(dtype) -> str:
 def scale_halves(scale_bits, key: str):
     """E4M3 scale bits (any int type) -> the uint32 16-bit pattern that multiplies the decode
     table's values in ``mul.rn`` for operand type ``key``: the scale's BF16 bits, or for FP16
-    the bits of s * 2**-8, ``(b & 0x7F) << 7`` (two integer operations, no float conversion;
-    the FP16 table is scaled by 2**8), with E4M3's NaN kept as an FP16 NaN."""
+    the bits of s * 2**-8, ``(b & 0x7F) << 7`` and the sign (integer operations, no float
+    conversion; the FP16 table is scaled by 2**8), with E4M3's NaN kept as an FP16 NaN."""
     if key == "bf16":
         return jax.lax.bitcast_convert_type(scales_as(scale_bits, jnp.bfloat16), jnp.uint16).astype(jnp.uint32)
-    mag = scale_bits.astype(jnp.uint32) & 0x7F
-    return jnp.where(mag == 0x7F, jnp.uint32(0x7E00), mag << 7)
+    b = scale_bits.astype(jnp.uint32)
+    mag = b & 0x7F
+    return jnp.where(mag == 0x7F, jnp.uint32(0x7E00), mag << 7) | ((b & 0x80) << 8)
 
 
 def _word(table, start):
