@@ -171,13 +171,14 @@ def operand_key(dtype) -> str:
 def scale_halves(scale_bits, key: str):
     """E4M3 scale bits (any int type) -> the uint32 16-bit pattern that multiplies the decode
     table's values in ``mul.rn`` for operand type ``key``: the scale's BF16 bits, or for FP16
-    the bits of s * 2**-8, ``(b & 0x7F) << 7`` and the sign (integer operations, no float
-    conversion; the FP16 table is scaled by 2**8), with E4M3's NaN kept as an FP16 NaN."""
+    the bits of s * 2**-8, ``(b & 0x7F) << 7`` (integer operations, no float conversion; the
+    FP16 table is scaled by 2**8), with E4M3's NaN kept as an FP16 NaN. NVFP4 block scales
+    are non-negative: the sign bit is not read (the word decode ORs each code's sign onto
+    the product; offline SASS, keeping it cost 4% more main-loop instructions)."""
     if key == "bf16":
         return jax.lax.bitcast_convert_type(scales_as(scale_bits, jnp.bfloat16), jnp.uint16).astype(jnp.uint32)
-    b = scale_bits.astype(jnp.uint32)
-    mag = b & 0x7F
-    return jnp.where(mag == 0x7F, jnp.uint32(0x7E00), mag << 7) | ((b & 0x80) << 8)
+    mag = scale_bits.astype(jnp.uint32) & 0x7F
+    return jnp.where(mag == 0x7F, jnp.uint32(0x7E00), mag << 7)
 
 
 def _word(table, start):
