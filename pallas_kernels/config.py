@@ -134,11 +134,9 @@ class GroupedTiles:
         return cls(**{k: one(k, v) for k, v in d.items()})
 
 
-# The fastest measured at the bench model's expert shapes (64 experts, 1024 -> 1024 and
-# 512 -> 1024, 262k rows) on an H100 (benchmarks/results/2026-12-05-h100-train-tiles). fwd and
-# dx: tokamax with 128 x 128 tiles, bit-identical to its heuristic's output and 1.6x faster.
-# dW: our kernel, 2.6x faster than tokamax's heuristic and within 1.7e-3 of FP32 products,
-# where tokamax's dW was 9e-3 off at its heuristic tiles and wrong (2e-2 to inf) at larger ones.
+# The fastest measured at the bench model's expert shapes (benchmarks/results/2026-12-05-h100-
+# train-tiles). fwd and dx: tokamax with 128 x 128 tiles, bit-identical to its heuristic's
+# output. dW: our kernel, where tokamax's was slower and, at larger tiles, wrong.
 _TILE = Tiles(block_m=128, block_n=128, block_k=64, num_stages=4, persistent=True)
 DEFAULT_GROUPED_TILES = GroupedTiles(fwd=_TILE, dx=_TILE, dw=DwTiles(block_k=128, block_n=256, block_r=64, num_warps=8, num_stages=3))
 

@@ -131,8 +131,7 @@ def grouped_dot_tokamax(x, w, group_sizes, *, out_dtype=None, tiles: GroupedTile
     The gradient is ours (a custom VJP), so that the weight is transposed once a step, not
     twice: tokamax's kernels read the forward weight as [E, K, N], so the forward transposes
     the stored [E, N, K] once; its VJP would then give dW as [E, K, N] and transpose it back
-    (each transpose ~7 ms at the bench model's 32k tokens on an H100,
-    benchmarks/results/2026-12-05-h100-train-nvfp4w). Here dx reads the stored weight as it
+    (each transpose a full pass over the weight's gradient). Here dx reads the stored weight as it
     is and dW is computed as dy_e.T @ x_e, which comes out [E, N, K]."""
     _check(x, w, group_sizes)
     try:

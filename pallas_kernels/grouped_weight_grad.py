@@ -3,9 +3,9 @@
     dw = grouped_dw(x, dy, group_sizes)      # x [M, K], dy [M, N] sorted by expert -> [E, K, N]
 
 The backward pass of ``grouped_dot`` needs this product, which contracts over the ragged
-(row) axis. tokamax's kernel for it (``ragged_contracting_dim_dot``) reached 13-22% of the
-BF16 peak at the bench model's shapes on an H100, at every tile measured, against 44-66% for
-its forward and dx kernels (benchmarks/results/2026-12-05-h100-train-tiles). This kernel
+(row) axis. tokamax's kernel for it (``ragged_contracting_dim_dot``) runs far below its
+forward and dx kernels at the bench model's shapes (benchmarks/results/2026-12-05-h100-train-
+tiles). This kernel
 gives each (expert, K tile, N tile) one program that walks its expert's rows in
 ``block_r``-row steps and accumulates x_tile.T @ dy_tile into FP32 registers: rows outside
 the expert are masked at the load, so no transpose of x and no mask multiply per step.

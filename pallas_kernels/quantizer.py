@@ -93,23 +93,16 @@ RANK_MAX_BLOCKS = 256  # the longest rows (in 16-blocks) that quant_config lets 
 
 
 def quant_config(t: int, k: int, num_sms: int | None = None) -> QuantConfig:
-    """The quantizer's tiles for T rows of K channels: rows of K >= 512 channels take at least
-    two programs each (``parts``), and decode sizes (few tokens) split further until about one
-    wave runs (T=16: 8 parts, T=64: 2); 1024 tokens and more take two rows a program, and
-    whole rows where K <= 512 (T=2048, K=512: 4.2 / 9.1 us at rho 0 / 0.5 against 5.1 / 14.3
-    with two parts; the MoE down projection's quantizer at batch 256 of the bench model).
-    Below 1024 tokens the rows split in parts measured the fastest at every rollout shape,
-    against one program of 8 warps a row and one warp a row, with or without RAC
-    (benchmarks/results/2026-12-06-h100-quant-operand: one program a row 7-48x slower, one warp
-    a row 3-18x; the latter 1.8x slower end to end).
-    RAC's selection below 1024 tokens is ``select="energies"`` (a first kernel writes the
-    residual energies, the quantizer ranks them): on an H100 9.2 us at T=256, K=2048, rho 0.5,
-    against 14.9 for split (XLA ranks them between the kernels) and 36.6 for the in-kernel
-    rank; T=64, K=1024: 4.2 / 6.7 / 8.7 (benchmarks/results/2026-12-06-h100-defaults). From
-    1024 tokens the in-kernel rank wins (T=2048, K=512: 9.4 / 14.2 energies / 16.9 split).
-    Rows of more than RANK_MAX_BLOCKS blocks, or of a block count that is not a power of two
-    (energies loads a row's as one tensor), take split at any size: the in-kernel counts grow
-    with the square of the blocks, split's XLA ranking sorts such rows."""
+    """The quantizer's tiles for T rows of K channels, the fastest measured at the rollout's
+    shapes (the kernel registry's "quant" regime; benchmarks/results/2026-12-06-h100-defaults).
+    Rows of K >= 512 channels take at least two programs each (``parts``), and decode sizes
+    (few tokens) split further until about one wave runs (T=16: 8 parts, T=64: 2); 1024 tokens
+    and more take two rows a program, and whole rows where K <= 512.
+    RAC's selection: below 1024 tokens ``select="energies"`` (one launch fewer than split,
+    no whole-row pass in the quantizer), from 1024 tokens the in-kernel rank. Rows of more
+    than RANK_MAX_BLOCKS blocks, or of a block count that is not a power of two (energies
+    loads a row's as one tensor), take split at any size: the in-kernel counts grow with the
+    square of the blocks, split's XLA ranking sorts such rows."""
     num_sms = num_sms or device_sms()
     block_rows = 1 if t < 1024 else 2
     programs = -(-t // block_rows)
@@ -120,10 +113,7 @@ def quant_config(t: int, k: int, num_sms: int | None = None) -> QuantConfig:
     chunk = 1024
     while (k // parts) % chunk:
         chunk //= 2
-    # 8 warps from 512-channel chunks (a parity half of 256 values: one a thread); offline SASS
-    # of T=16, K=4096, RAC 0.5 (benchmarks/results/2026-12-05-offline-sass-quant): 8 parts of
-    # 512-channel chunks on 8 warps issue 3568 warp instructions per scheduler, one program a
-    # row 7216 (each program issues fewer; the rows' other channels are loaded, not stored)
+    # 8 warps from 512-channel chunks (a parity half of 256 values: one a thread)
     blocks = k // 16
     select = ("split" if blocks > RANK_MAX_BLOCKS or blocks & (blocks - 1) else "energies" if t < 1024 else "rank")
     return QuantConfig(block_rows=block_rows, chunk=chunk, num_warps=8 if chunk >= 512 else 4, parts=parts, select=select)
@@ -173,8 +163,8 @@ def _quantize_pair(ve, vo, g, arith):
     """The even and odd channels of blocks ([rows, nb, 8] float32 each) with global scale g
     [rows, 1] -> (their E2M1 values, the block scales [rows, nb, 1]). The block math runs on
     keepdims shapes, in the layout of the values: compiled, the per-block amax, scale and
-    reciprocal then need no layout conversion through shared memory (offline SASS: 78 -> 6
-    barriers for T=16, K=4096, RAC 0.5; benchmarks/results/2026-12-05-offline-sass-quant)."""
+    reciprocal then need no layout conversion through shared memory (barriers, in the
+    offline SASS of benchmarks/results/2026-12-05-offline-sass-quant)."""
     amax = jnp.maximum(jnp.abs(ve).max(-1, keepdims=True), jnp.abs(vo).max(-1, keepdims=True))  # [rows, nb, 1]
     g3 = g[:, :, None]
     qe, s = nvfp4.quantize_blocks(ve[:, :, None, :], amax, g3, arith=arith)  # blocks of one: axis 2

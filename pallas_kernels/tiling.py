@@ -65,13 +65,11 @@ def gemm_config(t: int, n: int, k: int, programs_per_row_tile: int = 1, num_sms:
     decoded from code words in 128-wide N tiles, K tiles of 128 (256 for large weights that
     still fill 1.5 waves), and split-K until about 1.5 waves of programs. The grouped GEMM
     (``programs_per_row_tile`` experts, T their mean rows) takes M tiles of about twice the
-    mean, so that most experts' rows fit one tile and each weight tile is read once: on an
-    H100 at the bench model's experts, 57.2 / 76.8 us (gate/up, 64 / 256 tokens, top-8 of 64)
-    against 62.6 / 88.4 with 64-wide N tiles and M tiles of the mean. From
+    mean, so that most experts' rows fit one tile and each weight tile is read once. From
     PREFILL_DEQUANT_MIN_T tokens the dense GEMM decodes both operands once and runs the BF16
-    dot (square MMA tiles for the grouped kernel). The tile sweeps behind these choices:
-    benchmarks/results/2026-12-04-h200-run13, 2026-12-05-h100-rollout-scale and
-    2026-12-06-h100-defaults."""
+    dot (square MMA tiles for the grouped kernel). Each choice is the fastest of the kernel
+    registry's tile sweeps (benchmarks/results/2026-12-04-h200-run13,
+    2026-12-05-h100-rollout-scale, 2026-12-06-h100-defaults)."""
     if t >= PREFILL_DEQUANT_MIN_T:
         bk = 64 if k % 64 == 0 else 32
         path = "dequant" if programs_per_row_tile == 1 else "fused"
