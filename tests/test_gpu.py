@@ -2,6 +2,7 @@
 compiled kernels against their XLA references, on fresh random data, within the tolerance of
 their operand precision (BF16 operands: relative error between 1e-3 and 1e-2 of the norm)."""
 
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -100,6 +101,27 @@ def test_pallas_nvfp4_matmul_equals_xla(t, rac):
     a = pk.nvfp4_matmul(x, w, rac_ratio=rac, act_scale="token", backend="pallas")
     b = pk.nvfp4_matmul(x, w, rac_ratio=rac, act_scale="token", backend="xla")
     assert rel(a, b) < 2e-3  # the same FP32 products summed in another order, rounded to BF16
+
+
+@pytest.mark.parametrize("rac", [0.0, 0.5])
+@pytest.mark.parametrize("tokens,decode", [(64, "words"), (256, "words"), (128, "bits"), (1024, "bits")])
+def test_pallas_grouped_w4a4_equals_xla_with_each_decode(tokens, decode, rac):
+    """The MoE's grouped W4A4 GEMM compiled with the word decode (the rollout's batches) and the
+    bit decode (prefill sizes; K tiles of 64), RAC's FP16 token operand through the scaled
+    FP16 tables, at the bench model's expert shapes, top-8 of 64, some experts empty."""
+    rng = np.random.default_rng()
+    e, n, k, topk = 64, 1024, 1024, 8
+    m = tokens * topk
+    sizes = rng.multinomial(m, rng.dirichlet(np.full(e, 0.5)))
+    w = P.prepare_weight(jnp.asarray(rng.standard_normal((e, n, k)) * k**-0.5, jnp.float32), "w4a4")
+    x = jnp.asarray(rng.standard_normal((m, k)), jnp.bfloat16)
+    gs = jnp.asarray(sizes, jnp.int32)
+    cfg = pk.gemm_config(-(-m // e), n, k, programs_per_row_tile=e)
+    if decode == "bits":
+        cfg = dataclasses.replace(cfg, decode="bits", block_k=64)
+    a = pk.nvfp4_grouped_matmul(x, w, gs, rac_ratio=rac, act_scale="token", backend="pallas", config=cfg)
+    b = pk.nvfp4_grouped_matmul(x, w, gs, rac_ratio=rac, act_scale="token", backend="xla")
+    assert rel(a, b) < 2e-3, (int((sizes == 0).sum()), cfg)  # FP32 sums in another order, rounded to BF16
 
 
 def test_one_launch_over_weights_sharing_an_input_equals_xla():
