@@ -77,6 +77,19 @@ def _nbytes(*trees) -> float:
     return float(sum(leaf.nbytes for t in trees for leaf in jax.tree.leaves(t)))
 
 
+def fwd_bwd(fn, n_diff: int):
+    """(*args, ct) -> (fn(*args), the gradients of its first ``n_diff`` arguments for the
+    cotangent ct): a train step's forward and backward products, with no loss around them
+    whose elementwise passes would count as the op's time."""
+    import jax
+
+    def f(*args):
+        diff, rest, ct = args[:n_diff], args[n_diff:-1], args[-1]
+        y, vjp = jax.vjp(lambda *d: fn(*d, *rest), *diff)
+        return (y, *vjp(ct))
+    return f
+
+
 # ----------------------------------------------------------------------------- the registry
 
 
@@ -264,14 +277,8 @@ def train_grouped_cases(tiny: bool):
             x = jax.random.normal(jax.random.key(3), (m, k), jnp.bfloat16)
             w = (jax.random.normal(jax.random.key(4), (e, n, k), jnp.float32) * k**-0.5).astype(jnp.bfloat16)
 
-            def grad(dot):
-                # the three products a train step runs, y = x W^T, dx = ct W, dW = ct^T x (per expert),
-                # for a given cotangent: no loss around them, whose elementwise passes over [M, N]
-                # would count as GEMM time
-                def f(x, w, ct):
-                    y, vjp = jax.vjp(dot, x, w)
-                    return (y, *vjp(ct))
-                return f
+            # the three products a train step runs, y = x W^T, dx = ct W, dW = ct^T x (per expert)
+            grad = lambda dot: fwd_bwd(dot, 2)
 
             impls = {"tokamax (default tiles)": lambda x, w: pk.grouped_dot(x, w, gs, impl="tokamax"),
                      "tokamax (its heuristic tiles)": lambda x, w: pk.grouped_dot(x, w, gs, impl="tokamax", tiles=pk.GroupedTiles()),
@@ -328,19 +335,13 @@ def attention_cases(tiny: bool):
     # training attention (no cache): forward and both backward products for a given cotangent,
     # at the trainer bench's rows of 4096 tokens; the XLA reference only where its [B, H, T, T]
     # FP32 scores fit
-    import jax
-
     for b, t in ((2, 64),) if tiny else ((2, 4096), (8, 4096)):
         q = jnp.asarray(rng.standard_normal((b, t, h, dh)), jnp.bfloat16)
         k, v = (jnp.asarray(rng.standard_normal((b, t, hkv, dh)), jnp.bfloat16) for _ in range(2))
         lengths = jnp.full((b,), t, jnp.int32)  # whole rows: outputs at padded positions are unspecified
         ct = jnp.asarray(rng.standard_normal((b, t, h, dh)), jnp.bfloat16)
 
-        def grad(impl):
-            def f(q, k, v, n, ct):
-                o, vjp = jax.vjp(lambda q, k, v: pk.causal_attention(q, k, v, n, impl=impl), q, k, v)
-                return (o, *vjp(ct))
-            return f
+        grad = lambda impl: fwd_bwd(lambda q, k, v, n: pk.causal_attention(q, k, v, n, impl=impl), 3)
 
         pairs = b * t * (t + 1) / 2  # causal (query, key) pairs
         # fwd 2 matmuls, bwd 5 (the recomputed scores among them): 7 x 2 x pairs x heads x d
