@@ -115,8 +115,11 @@ def quant_cases(tiny: bool):
             shape = f"T{t} K{k} rho{rho}"
             nbytes = t * k * 4  # read BF16, write FP16
             variants = {"default": base}
-            if rho < 1:  # one program a row (measured 7-48x slower on the H100: why is open)
+            if rho < 1:  # one program a row (measured 7-48x slower on the H100 with 1024-channel chunks:
+                # why is open), with smaller chunks: one launch for RAC without re-quantizing the row
                 variants["one program a row"] = dataclasses.replace(base, parts=1)
+                variants.update({f"one program a row, chunk {c}": dataclasses.replace(base, parts=1, chunk=c, select="rank")
+                                 for c in (256, 512) if c < base.chunk and k // 16 <= pk.RANK_MAX_BLOCKS})
             if rho == 0.5:  # the other selection and warp counts
                 variants.update({f"select {s}": dataclasses.replace(base, select=s) for s in ("rank", "split", "energies")
                                  if s != base.select and (s == "split" or k // 16 <= pk.RANK_MAX_BLOCKS)})
