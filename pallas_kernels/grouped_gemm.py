@@ -65,7 +65,9 @@ def work_items(group_sizes, m: int, block_m: int):
     tile_end = jnp.cumsum(tiles)
     row_off = jnp.cumsum(group_sizes) - group_sizes
     i = jnp.arange(cap, dtype=jnp.int32)
-    ex = jnp.minimum(jnp.searchsorted(tile_end, i, side="right"), e - 1).astype(jnp.int32)
+    # the item's expert: how many experts' tiles end at or before it, one [cap, E] comparison
+    # (jnp.searchsorted's default is a loop of log2(E) steps: a while loop of small kernels)
+    ex = jnp.minimum(jnp.searchsorted(tile_end, i, side="right", method="compare_all"), e - 1).astype(jnp.int32)
     local = i - (tile_end[ex] - tiles[ex])
     start = row_off[ex] + local * block_m
     end = jnp.minimum(start + block_m, row_off[ex] + group_sizes[ex])
