@@ -141,7 +141,9 @@ def dense_cases(tiny: bool):
     from quads_jax.precision import prepare_weight
 
     rng = np.random.default_rng(1)
-    shapes = [(8, 64, 128)] if tiny else [(t, 1024, 2048) for t in (16, 64, 256, 4096)] + [(t, 4096, 14336) for t in (16, 64, 256)]
+    # (t, 1024, 1536): the bench model's fused QKV projection at rollout batches
+    shapes = [(8, 64, 128)] if tiny else ([(t, 1024, 2048) for t in (16, 64, 256, 4096)] + [(t, 4096, 14336) for t in (16, 64, 256)]
+                                          + [(t, 1024, 1536) for t in (64, 256)])
     dot_nt = lambda a, b: jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32).astype(jnp.bfloat16)
     cases = []
     for t, k, n in shapes:
@@ -161,6 +163,16 @@ def dense_cases(tiny: bool):
                       Case("dense", shape, op, f"pallas {other.path}",
                            lambda x, w, kw=kw: pk.nvfp4_matmul(x, w, backend="pallas", config=other, **kw), (x, w4), ref=ref, **common),
                       Case("dense", shape, op, "xla", ref, (x, w4), **common)]
+        # split-K's other depths (the FP32 partials it writes, and XLA's sum of them, are timed too)
+        if plan.path == "fused" and not tiny:
+            ksteps = k // plan.block_k
+            for sk in sorted({1, plan.split_k // 2, plan.split_k * 2} - {0, plan.split_k}):
+                if ksteps % sk == 0:
+                    c = dataclasses.replace(plan, split_k=sk)
+                    cases.append(Case("dense", shape, "w4a4+rac0.5", f"pallas fused split_k {sk}",
+                                      lambda x, w, c=c: pk.nvfp4_matmul(x, w, backend="pallas", config=c, rac_ratio=0.5, act_scale="token"),
+                                      (x, w4), ref=lambda x, w: pk.nvfp4_matmul(x, w, backend="xla", rac_ratio=0.5, act_scale="token"),
+                                      **common))
         cases += [Case("dense", shape, "bf16", "xla dot", dot_nt, (x, wb), truth=truth, bytes=_nbytes(wb) + io, flops=2 * t * k * n),
                   Case("dense", shape, "fp8", "xla dot", lambda x, w: pk.fp8_matmul(x, w), (x, w8), truth=truth,
                        bytes=_nbytes(w8) + io, flops=2 * t * k * n)]
