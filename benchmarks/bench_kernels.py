@@ -103,8 +103,9 @@ def quant_cases(tiny: bool):
     rng = np.random.default_rng(3)
     cases = []
     # (256, 14336): rows of 896 blocks (an 8B-class MLP's down projection), past RANK_MAX_BLOCKS:
-    # split ranks them by a sort; the in-kernel all-pairs counts (rank, energies) are not tried there
-    for t, k in ((8, 256),) if tiny else ((256, 1024), (256, 2048), (64, 1024), (2048, 512), (256, 14336)):
+    # split ranks them by a sort; the in-kernel all-pairs counts (rank, energies) are not tried there.
+    # (64, 768): Qwen3-30B-A3B's expert down projection, 48 blocks a row (energies pads them to 64)
+    for t, k in ((8, 256),) if tiny else ((256, 1024), (256, 2048), (64, 1024), (2048, 512), (256, 14336), (64, 768)):
         # heavy-tailed channels, as activations are: per-channel magnitudes spread over e^(+-2)
         x = jnp.asarray(rng.standard_normal((t, k)) * np.exp(rng.standard_normal(k)), jnp.bfloat16)
         base = pk.quant_config(t, k)

@@ -24,7 +24,10 @@ against the whole row's (``select="rank"``, ``_top_blocks``), or, with ``select=
 ranking in XLA (``_selected_blocks``: the same count for rows of up to RANK_MAX_BLOCKS
 blocks, a sort beyond) between a first kernel that writes the energies and the quantizer,
 which reads the selection, or, with ``select="energies"``, the same first kernel and the
-quantizer ranking its energies itself (one launch fewer; ``quant_config`` picks by shape).
+quantizer ranking its energies itself (one launch fewer; ``quant_config`` picks by shape). For
+"energies" the first kernel writes each row's energies padded to a power-of-two width with
+-1.0 (Triton loads power-of-two tensors; a negative energy's bits are below every real one's,
+so the padding is never counted as larger), so any block count works.
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ class QuantConfig:
     # kernel, over the whole row's energies, which it computes), "split" (a first kernel
     # writes the residual energies, XLA ranks them, the kernel reads the selection: no
     # whole-row pass in a kernel) or "energies" (the kernel ranks the first kernel's
-    # energies itself: one launch fewer than split; rows of a power-of-two block count).
+    # energies itself: one launch fewer than split).
     # quant_config picks among them by shape; this default is the one valid for every K
     select: str = "split"
     # programs per token row, each owning K / parts channels (a power of two; the same bits
@@ -80,9 +83,6 @@ class QuantConfig:
             raise ValueError(f"config: QuantConfig.parts={self.parts} must divide K={k} into whole 16-blocks")
         if (k // self.parts) % self.chunk:
             raise ValueError(f"config: QuantConfig.chunk={self.chunk} must divide K={k} / parts={self.parts}")
-        if self.select == "energies" and (k // 16) & (k // 16 - 1):
-            raise ValueError(f"config: QuantConfig.select='energies' loads a row's K/16={k // 16} energies as one tensor: "
-                             "needs a power of two (Triton); use 'split'")
 
 
 SELECTS = ("rank", "split", "energies")
@@ -100,8 +100,7 @@ def quant_config(t: int, k: int, num_sms: int | None = None) -> QuantConfig:
     and more take two rows a program, and whole rows where K <= 512.
     RAC's selection: below 1024 tokens ``select="energies"`` (one launch fewer than split,
     no whole-row pass in the quantizer), from 1024 tokens the in-kernel rank. Rows of more
-    than RANK_MAX_BLOCKS blocks, or of a block count that is not a power of two (energies
-    loads a row's as one tensor), take split at any size: the in-kernel counts grow with the
+    than RANK_MAX_BLOCKS blocks take split at any size: the in-kernel counts grow with the
     square of the blocks, split's XLA ranking sorts such rows."""
     num_sms = num_sms or device_sms()
     block_rows = 1 if t < 1024 else 2
@@ -115,7 +114,7 @@ def quant_config(t: int, k: int, num_sms: int | None = None) -> QuantConfig:
         chunk //= 2
     # 8 warps from 512-channel chunks (a parity half of 256 values: one a thread)
     blocks = k // 16
-    select = ("split" if blocks > RANK_MAX_BLOCKS or blocks & (blocks - 1) else "energies" if t < 1024 else "rank")
+    select = "split" if blocks > RANK_MAX_BLOCKS else "energies" if t < 1024 else "rank"
     return QuantConfig(block_rows=block_rows, chunk=chunk, num_warps=8 if chunk >= 512 else 4, parts=parts, select=select)
 
 
@@ -221,11 +220,18 @@ def _program_rows(x_ref, *, t, k, cfg, arith, interpret):
 
 
 def _energy_kernel(x_ref, e_ref, *, t, k, cfg, arith, interpret):
-    """``select="split"``'s first pass: the residual energies of the owned blocks, e_ref [T, K/16]."""
+    """The first pass of ``select="split"`` and "energies": the residual energies of the owned
+    blocks, e_ref [T, W] with W = K/16 rounded up to a power of two, the columns from K/16 on
+    written -1.0 by each row's first program."""
     row_sl, row_ok, _, blocks, chunks, _, gx = _program_rows(x_ref, t=t, k=k, cfg=cfg, arith=arith, interpret=interpret)
     for j, (xe, xo) in enumerate(chunks):
         e = _residual(_quantize_chunk(xe, xo, gx, cfg.block_rows, cfg.chunk, arith), gx, arith)[-1]  # [bm, c / 16]
         plgpu.store(e_ref.at[row_sl, blocks(j)], e, mask=row_ok)
+    width = e_ref.shape[1]
+    if width > k // 16:
+        pad = (jnp.arange(width) >= k // 16)[None, :]
+        plgpu.store(e_ref.at[row_sl, pl.ds(0, width)], jnp.full((cfg.block_rows, width), -1.0, jnp.float32),
+                    mask=row_ok & pad & (pl.program_id(1) == 0))
 
 
 def _quant_kernel(x_ref, sel_ref, a_ref, gx_ref, *, t, k, cfg, n_sel, arith, interpret, order):
@@ -250,8 +256,9 @@ def _quant_kernel(x_ref, sel_ref, a_ref, gx_ref, *, t, k, cfg, n_sel, arith, int
         elif cfg.select == "energies":
             # the first kernel's energies: the owned blocks' (loaded, not recomputed, so both
             # sides of each comparison have the same bits) ranked against the whole row's
+            # (its padding, -1.0, is never larger than a real energy)
             load_e = lambda sl: plgpu.load(sel_ref.at[row_sl, sl], mask=row_ok, other=0.0)
-            selected = _top_blocks([load_e(blocks(j)) for j in range(len(owned))], [load_e(pl.ds(0, k // 16))], n_sel)
+            selected = _top_blocks([load_e(blocks(j)) for j in range(len(owned))], [load_e(pl.ds(0, sel_ref.shape[1]))], n_sel)
         else:
             # with parts > 1 the row's energies come from its whole, quantized once more here
             # (the owned chunks' share again: their index is the program's, not a constant)
@@ -292,9 +299,10 @@ def _quant_call(x, *, n_sel, cfg, interpret, order, rows):
     params = plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     sel = None
     if cfg.select in ("split", "energies") and 0 < n_sel < k // 16:
+        width = k // 16 if cfg.select == "split" else pl.next_power_of_2(k // 16)
         e = pl.pallas_call(
             functools.partial(_energy_kernel, t=t, k=k, cfg=cfg, arith=arith, interpret=interpret),
-            out_shape=jax.ShapeDtypeStruct((x.shape[0], k // 16), jnp.float32),
+            out_shape=jax.ShapeDtypeStruct((x.shape[0], width), jnp.float32),
             grid=(pl.cdiv(x.shape[0], cfg.block_rows), cfg.parts), compiler_params=params, interpret=interpret,
             name="nvfp4_residual_energies",
         )(x)

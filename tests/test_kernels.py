@@ -517,6 +517,23 @@ def test_split_selection_with_two_rows_a_program_and_padded_rows(rng):
             assert_operand_equal(x, rho, cfg, order=("words", 128), rows=16)
 
 
+def test_energies_selection_of_rows_of_any_block_count(rng):
+    """``select="energies"`` with a block count that is not a power of two (48 and 24 blocks: the
+    first kernel pads each row's energies to 64 / 32 with -1.0, which no real energy is below):
+    the reference's bits with ties across the boundary and an all-zero row, one and several
+    programs a row, T not a multiple of the row tile."""
+    for t, k, cfg in ((7, 768, pk.QuantConfig(chunk=256, select="energies")),
+                      (9, 384, pk.QuantConfig(block_rows=2, chunk=64, parts=2, select="energies"))):
+        x = heavy(rng, (t, k))
+        blocks = x.reshape(t, k // 16, 16)
+        blocks[1] = blocks[1, :1]  # all tie: every block selected
+        blocks[2, 5:20] = blocks[2, 0]  # a run of ties across the selection boundary
+        x = jnp.asarray(blocks.reshape(t, k)).astype(jnp.bfloat16).at[3].set(0.0)
+        cfg.check(k)
+        for rho in (0.5, 0.25):
+            assert_operand_equal(x, rho, cfg, order=("words", 128))
+
+
 def test_split_selection_of_long_rows_sorts_with_ties(rng):
     """Rows longer than RANK_MAX_BLOCKS blocks are ranked by a sort (``lax.top_k`` of the
     energies' bits), not the all-pairs count: the reference's bits, with a tie across the
@@ -535,8 +552,6 @@ def test_split_selection_of_long_rows_sorts_with_ties(rng):
 def test_quant_config_rejects_tiles_that_cannot_run():
     with pytest.raises(ValueError, match="chunk=128 must divide"):
         pk.QuantConfig(chunk=128, parts=4).check(256)
-    with pytest.raises(ValueError, match="energies.*power of two"):
-        pk.QuantConfig(chunk=64, select="energies").check(16 * 24)
     with pytest.raises(ValueError, match="select="):
         pk.QuantConfig(select="bisect")
     pk.QuantConfig(chunk=128, select="energies").check(512)
@@ -548,10 +563,10 @@ def test_quant_config_splits_rows_at_decode_sizes():
     assert [quant_config(t, 4096).parts for t in (1, 16, 64, 128, 4096)] == [16, 8, 2, 2, 2]
     assert quant_config(256, 512).parts == 2 and quant_config(256, 768).parts == 1  # two a row where K allows it
     assert quant_config(2048, 512).parts == 1 and quant_config(2048, 1024).parts == 2  # two-token programs: whole rows to 512
-    # RAC's selection: the first kernel's energies ranked in the quantizer below 1024 tokens, ranked in
-    # the kernel from 1024, and by XLA (split) for rows past RANK_MAX_BLOCKS or of a non-power-of-two block count
+    # RAC's selection: the first kernel's energies ranked in the quantizer below 1024 tokens (any
+    # block count: 768 channels are 48), ranked in the kernel from 1024, by XLA (split) past RANK_MAX_BLOCKS
     assert [quant_config(t, k).select for t, k in ((16, 4096), (256, 1024), (2048, 512), (2048, 8192), (16, 768), (64, 8192))] == [
-        "energies", "energies", "rank", "split", "split", "split"]
+        "energies", "energies", "rank", "split", "energies", "split"]
     assert quant_config(16, 2048).parts == 8 and quant_config(16, 1024).parts == 4  # each part owns >= 256 channels
     for t, k in ((1, 4096), (16, 4096), (64, 1024), (16, 768), (4096, 4096)):
         cfg = quant_config(t, k)
