@@ -20,6 +20,7 @@ Writes DIR/rollout.json, DIR/rollout.md and DIR/rollout.png.
 from __future__ import annotations
 
 import argparse
+import functools
 import dataclasses
 import os
 import sys
@@ -73,7 +74,10 @@ def _burst_args(eng, batch, live):
     cache["lengths"] = jnp.full((b,), live, jnp.int32)
     return [eng._state, np.ones(b, np.int32), np.ones(b, bool), cache, np.ones(b, np.float32), np.ones(b, np.float32),
             np.zeros(b, np.int32), np.arange(b, dtype=np.uint32), np.full(b, live, np.int32), np.full(b, 10**6, np.int32),
-            np.full((b, eng.max_stop_ids), -1, np.int32), np.int32(eng.decode_burst), np.zeros(b, bool)]
+            np.full((b, eng.max_stop_ids), -1, np.int32), np.int32(eng.decode_burst)]
+
+
+STATIC = dict(want_top=False, filtered=False)  # the burst's static flags: no top log-probs, no top-k / top-p
 
 
 def step_seconds(eng, batch, live, bursts=6):
@@ -84,12 +88,12 @@ def step_seconds(eng, batch, live, bursts=6):
 
     start = max(1, live - eng.decode_burst * bursts // 2)
     args = _burst_args(eng, batch, start)
-    out, args[3] = eng._burst(*args)
+    out, args[3] = eng._burst(*args, **STATIC)
     jax.block_until_ready(out)
     args[3]["lengths"] = jnp.full((batch,), start, jnp.int32)
     t0 = time.perf_counter()
     for _ in range(bursts):
-        out, args[3] = eng._burst(*args)
+        out, args[3] = eng._burst(*args, **STATIC)
     jax.block_until_ready(out)
     return (time.perf_counter() - t0) / (bursts * eng.decode_burst)
 
@@ -99,7 +103,8 @@ def kernels_per_step(eng, batch, live, top=80, hlo_path=None):
     burst (the engine's loop, not donated here) profiled, divided by 16. The JSON keeps the
     ``top`` largest; the markdown shows the first 14. ``hlo_path``: the burst's optimized HLO
     (gzip), to map XLA's fusion names to the model's operations."""
-    per = H.breakdown(eng._burst_impl, *_burst_args(eng, batch, live), iterations=5, hlo_path=hlo_path)
+    per = H.breakdown(functools.partial(eng._burst_impl, **STATIC), *_burst_args(eng, batch, live), iterations=5,
+                      hlo_path=hlo_path)
     return H.top_kernels(per, top, steps=eng.decode_burst)
 
 

@@ -74,13 +74,16 @@ class Result:
     prompt_top_logprobs: list | None = None  # per prompt position 1 ..: [(logprob, token id)] * Request.top_logprobs
 
 
-def sample(logits, temperature, top_p, top_k, keys):
+def sample(logits, temperature, top_p, top_k, keys, filtered: bool = True):
     """Row-wise sampling: logits [B, V] float32; temperature/top_p/top_k [B]; keys [B].
     Returns (tokens [B], logprob of each under the raw logits [B]).
 
     Gumbel-max over the tempered logits in vocabulary order, restricted to the top-k /
-    top-p set: the set is "logit >= the smallest kept logit" (tokens tied with the last
-    kept one are kept too), so the sort that finds it runs only when some row filters.
+    top-p set of the rows that ask for one: the set is "logit >= the smallest kept logit"
+    (tokens tied with the last kept one are kept too); other rows keep every token.
+    ``filtered`` (a Python bool: whether any row may filter) skips the sort that finds the
+    set when False; the engine knows it on the host, so its jitted decode loop holds no
+    device-side branch (XLA:GPU copies a branch's predicate to the host and waits for it).
     temperature <= 0 is greedy (argmax)."""
     v = logits.shape[-1]
     scaled = logits / jnp.maximum(temperature, 1e-6)[:, None]
@@ -94,8 +97,9 @@ def sample(logits, temperature, top_p, top_k, keys):
         keep = (rank < k) & ((before < top_p[:, None]) | (rank == 0))
         return jnp.min(jnp.where(keep, srt, jnp.inf), axis=-1)
 
-    filters = jnp.any((top_k > 0) & (top_k < v)) | jnp.any(top_p < 1.0)
-    floor = jax.lax.cond(filters, kept_floor, lambda x: jnp.full(x.shape[:1], -jnp.inf, x.dtype), scaled)
+    floor = jnp.full(scaled.shape[:1], -jnp.inf, scaled.dtype)
+    if filtered:
+        floor = jnp.where(((top_k > 0) & (top_k < v)) | (top_p < 1.0), kept_floor(scaled), floor)
     g = jax.vmap(lambda key: jax.random.gumbel(key, (v,), jnp.float32))(keys)
     pick = jnp.argmax(jnp.where(scaled >= floor[:, None], scaled + g, -jnp.inf), axis=-1)
     tok = jnp.where(temperature <= 0, jnp.argmax(logits, axis=-1), pick).astype(jnp.int32)
@@ -108,14 +112,19 @@ TOP_LOGPROBS_MAX = 20  # the widest top-log-prob list a request may ask for (one
 
 def top_logprobs(logits, want):
     """The TOP_LOGPROBS_MAX largest log-probs of logits [..., V] and their token ids, best first;
-    computed only when ``want`` (a traced bool), zeros otherwise (one program either way)."""
+    computed only when ``want``, zeros otherwise. ``want`` a Python bool: decided while
+    tracing (the decode loop's case, which holds no device-side branch); a traced bool: a
+    ``lax.cond`` (the prefill's, once per admitted batch)."""
     shape = logits.shape[:-1] + (TOP_LOGPROBS_MAX,)
 
     def run(x):
         v, i = jax.lax.top_k(jax.nn.log_softmax(x, axis=-1), TOP_LOGPROBS_MAX)
         return v, i.astype(jnp.int32)
 
-    return jax.lax.cond(want, run, lambda x: (jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.int32)), logits)
+    zeros = lambda x: (jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.int32))
+    if isinstance(want, bool):
+        return run(logits) if want else zeros(logits)
+    return jax.lax.cond(want, run, zeros, logits)
 
 
 def row_keys(seeds, positions):
@@ -157,8 +166,8 @@ class Engine:
 
         self._prepare = jax.jit(prep)
         self._rgraph = nnx.split(nnx.eval_shape(lambda: prepare_for_rollout(Transformer(cfg, rngs=nnx.Rngs(0)), recipe_)))[0]
-        self._step = jax.jit(self._step_impl, donate_argnames=("cache",))
-        self._burst = jax.jit(self._burst_impl, donate_argnames=("cache",))
+        self._step = jax.jit(self._step_impl, donate_argnames=("cache",), static_argnames=("filtered",))
+        self._burst = jax.jit(self._burst_impl, donate_argnames=("cache",), static_argnames=("filtered", "want_top"))
 
     # -- weights
     def load(self, params: dict, version=None):
@@ -205,26 +214,26 @@ class Engine:
     def loaded(self) -> bool:
         return self.version is not None or hasattr(self, "_state")
 
-    def _sample_at(self, model, tokens, mask, cache, last_idx, temperature, top_p, top_k, seeds, pos, want_top):
+    def _sample_at(self, model, tokens, mask, cache, last_idx, temperature, top_p, top_k, seeds, pos, want_top, filtered):
         """One forward over tokens [B, T]; samples at each row's last_idx. -> (tok, lp, cache,
         experts [B, L_moe, k] at that position or None, top log-probs (values, ids) [B, TOP],
         logits [B, T, V], experts of every position [B, T, L_moe, k] or None)."""
         logits, aux, cache = model.forward(tokens, mask=mask, cache=cache)
         last = jnp.take_along_axis(logits, last_idx[:, None, None], axis=1)[:, 0]
-        tok, lp = sample(last, temperature, top_p, top_k, row_keys(seeds, pos))
-        top = top_logprobs(last, jnp.any(want_top & mask.any(1)))
+        tok, lp = sample(last, temperature, top_p, top_k, row_keys(seeds, pos), filtered)
+        top = top_logprobs(last, want_top if isinstance(want_top, bool) else jnp.any(want_top & mask.any(1)))
         every = None if aux["experts"] is None else aux["experts"].transpose(1, 2, 0, 3)  # [B, T, L, k]
         at_last = None if every is None else jnp.take_along_axis(every, last_idx[:, None, None, None], axis=1)[:, 0]
         return tok, lp, cache, at_last, top, logits, every
 
     def _step_impl(self, state, tokens, mask, cache, last_idx, temperature, top_p, top_k, seeds, pos, want_top,
-                   want_prompt):
+                   want_prompt, filtered):
         """A prefill: ``_sample_at``, plus for the rows that ask (computed only when one does) the
         prompt's log-probs [B, T-1] and their top ones, and the experts of every position
         [B, T, L, k] (fetched to the host only for requests that asked for their routing)."""
         model = nnx.merge(self._rgraph, state)
         tok, lp, cache, at_last, top, logits, every = self._sample_at(model, tokens, mask, cache, last_idx, temperature,
-                                                                      top_p, top_k, seeds, pos, want_top)
+                                                                      top_p, top_k, seeds, pos, want_top, filtered)
         pred = logits[:, :-1]  # position i predicts token i + 1
 
         def prompt_lp(x):
@@ -236,18 +245,20 @@ class Engine:
         return tok, lp, cache, at_last, top, every, plp, ptop
 
     def _burst_impl(self, state, tok, alive, cache, temperature, top_p, top_k, seeds, pos, remaining, stops, n_steps,
-                    want_top):
+                    want_top: bool, filtered: bool):
         """Up to ``n_steps`` (<= decode_burst) decode steps in one device loop. Row b feeds its
         last token while ``alive[b]``; it stops after ``remaining[b]`` tokens or on a token in
-        ``stops[b]`` (padded with -1). Returns per step [decode_burst, B] tokens, logprobs, and
-        whether the row emitted a token, the experts ([burst, B, L, k] or None), and the cache."""
+        ``stops[b]`` (padded with -1). ``want_top`` (top log-probs for every row) and
+        ``filtered`` (some row filters by top-k / top-p) are static: the step holds no
+        device-side branch. Returns per step [decode_burst, B] tokens, logprobs, and whether
+        the row emitted a token, the experts ([burst, B, L, k] or None), and the cache."""
         model = nnx.merge(self._rgraph, state)
         b, nb = tok.shape[0], self.decode_burst
         zeros_b = jnp.zeros((b,), jnp.int32)
 
         def step(tok, alive, cache, pos):
             t, lp, cache, ex, top, _, _ = self._sample_at(model, tok[:, None], alive[:, None], cache, zeros_b, temperature,
-                                                          top_p, top_k, seeds, pos, want_top)
+                                                          top_p, top_k, seeds, pos, want_top, filtered)
             return t, lp, cache, ex, top
 
         shapes = jax.eval_shape(step, tok, alive, cache, pos)
@@ -376,6 +387,9 @@ class Engine:
                         finish[ri] = "stop" if stop else "length"
                         slot_req[s] = -1
 
+        def filters(rows):  # whether a row of ``rows`` samples from a top-k / top-p set
+            return bool(((topk[rows] > 0) & (topk[rows] < vocab)).any() or (topp[rows] < 1.0).any())
+
         def positions():
             return np.array([len(out_ids[q]) if q >= 0 else 0 for q in slot_req], np.int32)
 
@@ -409,7 +423,7 @@ class Engine:
                     last = np.maximum(mask.sum(1) - 1, 0).astype(np.int32)
                     tok, lp, cache, ex, top, every, plp, ptop = self._step(
                         state, toks, mask, cache, last, temp, topp, topk, seeds, positions(), want_top & mask.any(1),
-                        want_prompt & mask.any(1))
+                        want_prompt & mask.any(1), filtered=filters(rows))
                     # what only some requests asked for leaves the device only when one of them did
                     wants = [s for s in rows if requests[slot_req[s]].return_experts]
                     if wants and every is not None:
@@ -440,7 +454,8 @@ class Engine:
                 x = sorted(stop_sets[slot_req[s]])
                 table[s, : len(x)] = x
             out, cache = self._burst(state, last_tok, remaining > 0, cache, temp, topp, topk, seeds, positions(),
-                                     remaining, table, np.int32(n), want_top)
+                                     remaining, table, np.int32(n), want_top=bool(want_top[active].any()),
+                                     filtered=filters(active))
             if not want_top[active].any():  # the top log-probs were not computed: leave them on the device
                 out = {k: v for k, v in out.items() if not k.startswith("top_")}
             out = jax.device_get(out)

@@ -93,6 +93,26 @@ def test_sampling_top_k_top_p_greedy():
     assert set(draws) <= {0, 1} and len(set(draws)) == 2  # top-p 0.6 keeps the first two
 
 
+def test_sampling_filters_only_the_rows_that_ask():
+    """A row with top-k / top-p off samples from the whole vocabulary although its neighbour
+    filters; with ``filtered=False`` (the engine's flag when no row filters) the draws equal
+    the filtered call's for unfiltered rows, and no sort runs."""
+    logits = jnp.log(jnp.array([[0.4, 0.3, 0.2, 0.1]] * 2))
+    temp, topp, topk = jnp.array([1.0, 1.0]), jnp.array([1.0, 0.4]), jnp.array([0, 0])
+    draws = {0: set(), 1: set()}
+    for i in range(60):
+        keys = jax.random.split(jax.random.key(i), 2)
+        tok, _ = sample(logits, temp, topp, topk, keys)
+        draws[0].add(int(tok[0]))
+        draws[1].add(int(tok[1]))
+        alone, _ = sample(logits[:1], temp[:1], topp[:1], topk[:1], keys[:1], filtered=False)
+        assert int(alone[0]) == int(tok[0])
+    assert draws[0] == {0, 1, 2, 3} and draws[1] == {0}  # top-p 0.4: the first token alone
+    hlo = jax.jit(lambda l, k: sample(l, temp, topp * 0 + 1, topk, k, filtered=False)).lower(
+        logits, jax.random.split(jax.random.key(0), 2)).as_text()
+    assert "stablehlo.sort" not in hlo and "stablehlo.case" not in hlo
+
+
 def test_engine_seeded_logprobs_match_trainer_and_batching_is_invariant(params):
     flat, model = params
     eng = Engine(CFG, recipe="bf16", max_batch=4, max_len=40)
