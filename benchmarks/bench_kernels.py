@@ -116,11 +116,18 @@ def quant_cases(tiny: bool):
             shape = f"T{t} K{k} rho{rho}"
             nbytes = t * k * 4  # read BF16, write FP16
             variants = {"default": base}
-            if rho < 1:  # one program a row (measured 7-48x slower on the H100 with 1024-channel chunks:
-                # why is open), with smaller chunks: one launch for RAC without re-quantizing the row
+            if rho < 1:  # one program a row: on the H100 7-50x slower with 512- and 1024-channel chunks
+                # (why is open), not with 256 (2026-12-06-h100-fp16-decode): one launch for RAC
                 variants["one program a row"] = dataclasses.replace(base, parts=1)
-                variants.update({f"one program a row, chunk {c}": dataclasses.replace(base, parts=1, chunk=c, select="rank")
-                                 for c in (256, 512) if c < base.chunk and k // 16 <= pk.RANK_MAX_BLOCKS})
+                if base.chunk > 256 and k // 16 <= pk.RANK_MAX_BLOCKS:
+                    variants["one program a row, chunk 256"] = dataclasses.replace(base, parts=1, chunk=256, select="rank")
+            # smaller chunks at the default layout (warps as quant_config gives them: 4 below 512
+            # channels), and the in-kernel rank with them: one launch for RAC
+            for c in (256, 512):
+                if c < base.chunk and rho < 1:
+                    variants[f"chunk {c}"] = dataclasses.replace(base, chunk=c, num_warps=8 if c >= 512 else 4)
+                    if rho == 0.5 and k // 16 <= pk.RANK_MAX_BLOCKS and base.select != "rank":
+                        variants[f"select rank, chunk {c}"] = dataclasses.replace(variants[f"chunk {c}"], select="rank")
             if rho == 0.5:  # the other selection and warp counts
                 variants.update({f"select {s}": dataclasses.replace(base, select=s) for s in ("rank", "split", "energies")
                                  if s != base.select and (s == "split" or k // 16 <= pk.RANK_MAX_BLOCKS)})
