@@ -5,8 +5,10 @@
 #   gpu_tests      pytest -m gpu: every compiled kernel against its XLA reference (GPU_TESTS_K: a -k expression)
 #   kernels        benchmarks/bench_kernels.py: the kernel registry, checked then timed (KERNEL_REGIMES, KERNEL_MATCH)
 #   rollout_scale  benchmarks/bench_rollout.py: decode steps through the engine vs their byte limit (ROLLOUT_SCALE_ARGS)
-#   rollout_flags  the same with XLA_FLAGS=$ROLLOUT_XLA_FLAGS (default: command buffers around every kind of
-#                  op XLA can capture, Pallas custom calls and loops included), to size the launch gaps
+#   rollout_flags  the same with XLA_FLAGS=$ROLLOUT_XLA_FLAGS (default: command buffers around fusions, cuBLASLt
+#                  GEMMs and custom calls, Pallas kernels among them, but not loops or conditionals: with
+#                  WHILE and CONDITIONAL too the quads step was 22% slower, 2026-12-06-h100-defaults), to size
+#                  the launch gaps
 #   train          benchmarks/bench_train.py: the train step per config (TRAIN_ARGS)
 # The device returns only a few files: each stage's log and outputs are appended to one tar,
 # $OUT/results.tar (extract with tar -xf), and removed.
@@ -38,7 +40,7 @@ run_stage() {
                --match "${KERNEL_MATCH:-}" ;;
     rollout_scale) stage "${ROLLOUT_SCALE_CAP:-330}" rollout_scale python3 benchmarks/bench_rollout.py --out "$o/rollout_scale" \
                      --budget $(( ${ROLLOUT_SCALE_CAP:-330} - 30 )) ${ROLLOUT_SCALE_ARGS:-} ;;
-    rollout_flags) XLA_FLAGS="${ROLLOUT_XLA_FLAGS:---xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUDNN,CUSTOM_CALL,COLLECTIVES,WHILE,CONDITIONAL}" \
+    rollout_flags) XLA_FLAGS="${ROLLOUT_XLA_FLAGS:---xla_gpu_enable_command_buffer=FUSION,CUBLASLT,CUSTOM_CALL}" \
                      stage "${ROLLOUT_SCALE_CAP:-330}" rollout_flags python3 benchmarks/bench_rollout.py --out "$o/rollout_flags" \
                      --budget $(( ${ROLLOUT_SCALE_CAP:-330} - 30 )) ${ROLLOUT_SCALE_ARGS:-} ;;
     train) stage "${TRAIN_CAP:-330}" train python3 benchmarks/bench_train.py --out "$o/train" --budget $(( ${TRAIN_CAP:-330} - 90 )) ${TRAIN_ARGS:-} ;;
