@@ -40,7 +40,7 @@ run_stage() {
                --match "${KERNEL_MATCH:-}" ;;
     rollout_scale) stage "${ROLLOUT_SCALE_CAP:-330}" rollout_scale python3 benchmarks/bench_rollout.py --out "$o/rollout_scale" \
                      --budget $(( ${ROLLOUT_SCALE_CAP:-330} - 30 )) ${ROLLOUT_SCALE_ARGS:-} ;;
-    rollout_flags) XLA_FLAGS="${ROLLOUT_XLA_FLAGS:---xla_gpu_enable_command_buffer=FUSION,CUBLASLT,CUSTOM_CALL}" \
+    rollout_flags) XLA_FLAGS="${ROLLOUT_XLA_FLAGS:---xla_gpu_enable_command_buffer=FUSION,CUBLASLT,CUSTOM_CALL --xla_gpu_graph_min_graph_size=2}" \
                      stage "${ROLLOUT_SCALE_CAP:-330}" rollout_flags python3 benchmarks/bench_rollout.py --out "$o/rollout_flags" \
                      --budget $(( ${ROLLOUT_SCALE_CAP:-330} - 30 )) ${ROLLOUT_SCALE_ARGS:-} ;;
     train) stage "${TRAIN_CAP:-330}" train python3 benchmarks/bench_train.py --out "$o/train" --budget $(( ${TRAIN_CAP:-330} - 90 )) ${TRAIN_ARGS:-} ;;

@@ -7,7 +7,12 @@ stays in the engine's layout [B, S, Hkv, D], so nothing is copied or transposed 
 One program per (row, KV head, split) loops over the key blocks below the row's length
 only: the bytes a step reads grow with the live tokens, not with the cache's size (the
 XLA reference reads, scores and masks the whole cache). The G query heads that share a
-KV head (GQA) form one MMA operand, padded to 16 rows.
+KV head (GQA) form one MMA operand, padded to 16 rows (an XLA pad before the kernel and a
+slice after it). ``DecodeAttentionConfig.heads="row"`` instead runs one program per (row,
+split) over all H query heads as one operand (H >= 16: no padding, q and the output in
+their own layout): each key block's scores are H x block_k products against every KV head,
+each query row keeping its own head's (Hkv MMAs a block, as many as the padded per-head
+programs do together when H = 16).
 
 ``DecodeAttentionConfig.splits`` > 1 cuts each row's live keys into that many parts, whose
 partial softmax results (unnormalised output, max, sum) are merged afterwards
@@ -17,7 +22,6 @@ partial softmax results (unnormalised output, max, sum) are merged afterwards
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -25,27 +29,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.config import interpret_mode
+from pallas_kernels.config import DecodeAttentionConfig, interpret_mode
 from pallas_kernels.tiling import device_sms
 
 _MIN_ROWS = 16  # the smallest MMA operand: the G query heads of a KV head are padded to it
 _NEG = -1e30
-
-
-@dataclasses.dataclass(frozen=True)
-class DecodeAttentionConfig:
-    """``block_k`` keys a loop step; ``splits`` parts of each row's live keys (None: from the
-    batch); ``num_warps`` / ``num_stages`` of the Triton program."""
-    block_k: int = 64
-    splits: int | None = None
-    num_warps: int = 4
-    num_stages: int = 2
-
-    def __post_init__(self):
-        if not isinstance(self.block_k, int) or self.block_k < 16 or self.block_k & (self.block_k - 1):
-            raise ValueError(f"decode attention block_k={self.block_k!r}: expected a power of two >= 16")
-        if self.splits is not None and (not isinstance(self.splits, int) or self.splits < 1):
-            raise ValueError(f"decode attention splits={self.splits!r}: expected None or an integer >= 1")
 
 
 def splits_for(batch: int, kv_heads: int, programs: int | None = None, most: int = 8) -> int:
@@ -74,15 +62,24 @@ def _dot(a, b, b_axis):
     return jax.lax.dot_general(a, b, (((1,), (b_axis,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def _kernel(len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, block_k, splits, scale, seq):
-    b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+def _kernel(len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, block_k, splits, scale, seq, kv_heads):
+    """One program: row b, split s, and KV head ``program_id(1)`` (``kv_heads`` None: q_ref
+    holds that head's padded group) or every KV head (``kv_heads`` = Hkv: q_ref holds all H
+    query heads, head j's G rows at j G ...)."""
+    if kv_heads is None:
+        b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+        heads = (h,)
+    else:
+        b, s = pl.program_id(0), pl.program_id(1)
+        heads = tuple(jnp.int32(j) for j in range(kv_heads))  # arrays, as program ids are (interpret mode's loads)
     n = len_ref[b]
     chunk = pl.cdiv(pl.cdiv(n, splits), block_k) * block_k  # this row's keys per split, whole blocks
     lo = s * chunk
     hi = jnp.minimum(lo + chunk, n)
-    q = q_ref[...]  # [Gp, D]
+    q = q_ref[...]  # [Gp, D] or [H, D]
     gp, d = q.shape
     cols = jnp.arange(block_k)
+    group = jnp.arange(gp) // (gp // len(heads))  # each query row's KV head (among ``heads``)
 
     def body(i, carry):
         acc, m, l = carry
@@ -90,14 +87,20 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, block_k, split
         idx = start + cols
         live = idx < hi
         ok = jnp.broadcast_to((idx < seq)[:, None], (block_k, d))
-        kt = plgpu.load(k_ref.at[b, pl.ds(start, block_k), h, :], mask=ok, other=0.0)  # [bk, D]
-        vt = plgpu.load(v_ref.at[b, pl.ds(start, block_k), h, :], mask=ok, other=0.0)
-        sc = _dot(q, kt.astype(q.dtype), 1) * scale  # [Gp, bk] FP32
-        sc = jnp.where(live[None, :], sc, _NEG)
+        kv = [(plgpu.load(k_ref.at[b, pl.ds(start, block_k), h, :], mask=ok, other=0.0),  # [bk, D] each
+               plgpu.load(v_ref.at[b, pl.ds(start, block_k), h, :], mask=ok, other=0.0)) for h in heads]
+        mine = lambda j: (group == j)[:, None]
+        sc = None
+        for j, (kt, _) in enumerate(kv):
+            sj = _dot(q, kt.astype(q.dtype), 1)  # [rows, bk] FP32
+            sc = sj if len(kv) == 1 else jnp.where(mine(j), sj, 0.0 if sc is None else sc)
+        sc = jnp.where(live[None, :], sc * scale, _NEG)
         m_new = jnp.maximum(m, jnp.max(sc, axis=1))
         p = jnp.exp(sc - m_new[:, None]) * live[None, :].astype(jnp.float32)
         corr = jnp.exp(m - m_new)
-        acc = acc * corr[:, None] + _dot(p.astype(vt.dtype), vt, 0)
+        for j, (_, vt) in enumerate(kv):
+            pj = p if len(kv) == 1 else jnp.where(mine(j), p, 0.0)
+            acc = (acc * corr[:, None] if j == 0 else acc) + _dot(pj.astype(vt.dtype), vt, 0)
         return acc, m_new, l * corr + jnp.sum(p, axis=1)
 
     steps = pl.cdiv(jnp.maximum(hi - lo, 0), block_k)
@@ -116,6 +119,8 @@ def _call(q, k, v, lengths, *, config: DecodeAttentionConfig, interpret: bool):
     b, h, d = q.shape
     seq, hkv = k.shape[1], k.shape[2]
     g = h // hkv
+    if config.heads == "row":
+        return _call_rows(q, k, v, lengths, config=config, interpret=interpret)
     gp = max(_MIN_ROWS, pl.next_power_of_2(g))
     splits = config.splits or splits_for(b, hkv)
     qg = jnp.pad(q.reshape(b, hkv, g, d), ((0, 0), (0, 0), (0, gp - g), (0, 0)))
@@ -128,7 +133,7 @@ def _call(q, k, v, lengths, *, config: DecodeAttentionConfig, interpret: bool):
                  jax.ShapeDtypeStruct(part, jnp.float32), jax.ShapeDtypeStruct(part, jnp.float32)]
     row = lambda i, j, s: (i, j, s, 0)
     o, m, l = pl.pallas_call(
-        functools.partial(_kernel, block_k=config.block_k, splits=splits, scale=d**-0.5, seq=seq),
+        functools.partial(_kernel, block_k=config.block_k, splits=splits, scale=d**-0.5, seq=seq, kv_heads=None),
         out_shape=out_shape,
         grid=(b, hkv, splits),
         in_specs=[pl.no_block_spec, pl.BlockSpec((None, None, gp, d), lambda i, j, s: (i, j, 0, 0)), pl.no_block_spec,
@@ -139,14 +144,46 @@ def _call(q, k, v, lengths, *, config: DecodeAttentionConfig, interpret: bool):
         interpret=interpret,
         name="decode_attention",
     )(lengths, qg, k, v)
-    if not one:  # merge the splits' partial softmax results
-        mx = jnp.max(m, axis=2, keepdims=True)
-        w = jnp.exp(m - mx)  # [B, Hkv, splits, Gp]
-        den = jnp.sum(w * l, axis=2)
-        o = jnp.sum(o * w[..., None], axis=2) / jnp.maximum(den, 1e-30)[..., None]
-    else:
-        o = o[:, :, 0]
+    o = _merge_splits(o, m, l, axis=2) if not one else o[:, :, 0]
     return o[:, :, :g].reshape(b, h, d).astype(q.dtype)
+
+
+def _merge_splits(o, m, l, axis):
+    """The splits' partial softmax results (unnormalised outputs, maxima, sums along ``axis``)
+    merged into the normalised output."""
+    w = jnp.exp(m - jnp.max(m, axis=axis, keepdims=True))
+    den = jnp.sum(w * l, axis=axis)
+    return jnp.sum(o * w[..., None], axis=axis) / jnp.maximum(den, 1e-30)[..., None]
+
+
+@functools.partial(jax.jit, static_argnames=("config", "interpret"))
+def _call_rows(q, k, v, lengths, *, config: DecodeAttentionConfig, interpret: bool):
+    """``heads="row"``: one program per (row, split) over all H query heads."""
+    b, h, d = q.shape
+    seq, hkv = k.shape[1], k.shape[2]
+    if h < _MIN_ROWS or h & (h - 1):
+        raise ValueError(f"config: DecodeAttentionConfig.heads='row' needs a power-of-two H >= {_MIN_ROWS} query heads, got {h}")
+    splits = config.splits or splits_for(b, 1)
+    if interpret:  # interpret mode clamps a slice that runs past the end instead of masking it
+        pad = ((0, 0), (0, -seq % config.block_k), (0, 0), (0, 0))
+        k, v = jnp.pad(k, pad), jnp.pad(v, pad)
+    one = splits == 1
+    part = (b, splits, h)
+    out_shape = [jax.ShapeDtypeStruct(part + (d,), q.dtype if one else jnp.float32),
+                 jax.ShapeDtypeStruct(part, jnp.float32), jax.ShapeDtypeStruct(part, jnp.float32)]
+    row = lambda i, s: (i, s, 0)
+    o, m, l = pl.pallas_call(
+        functools.partial(_kernel, block_k=config.block_k, splits=splits, scale=d**-0.5, seq=seq, kv_heads=hkv),
+        out_shape=out_shape,
+        grid=(b, splits),
+        in_specs=[pl.no_block_spec, pl.BlockSpec((None, h, d), lambda i, s: (i, 0, 0)), pl.no_block_spec, pl.no_block_spec],
+        out_specs=[pl.BlockSpec((None, None, h, d), lambda i, s: (i, s, 0, 0)), pl.BlockSpec((None, None, h), row),
+                   pl.BlockSpec((None, None, h), row)],
+        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
+        interpret=interpret,
+        name="decode_attention",
+    )(lengths, q, k, v)
+    return (_merge_splits(o, m, l, axis=1) if not one else o[:, 0]).astype(q.dtype)
 
 
 def decode_attention(q, k, v, lengths, *, impl: str = "pallas", config: DecodeAttentionConfig | None = None):

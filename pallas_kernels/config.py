@@ -25,6 +25,8 @@ Fields (each validated here, with a one-line error naming the field):
                dw may instead be a ``DwTiles``, which runs our Pallas dW kernel. The default
                is the fastest measured at the bench model's shapes on an H100
                (benchmarks/results/2026-12-05-h100-train-tiles).
+    decode_attention_tiles  the Pallas decode attention's ``DecodeAttentionConfig`` (or a dict
+               of its fields).
 
 "auto" resolves from the platform the computation is traced for, never from process state,
 so the same config gives the same program on the same machine.
@@ -142,12 +144,34 @@ DEFAULT_GROUPED_TILES = GroupedTiles(fwd=_TILE, dx=_TILE, dw=DwTiles(block_k=128
 
 
 @dataclasses.dataclass(frozen=True)
+class DecodeAttentionConfig:
+    """The live-KV decode attention's tiles (``cache_attention``): ``block_k`` keys a loop
+    step; ``splits`` parts of each row's live keys (None: from the batch); ``num_warps`` /
+    ``num_stages`` of the Triton program; ``heads``: a program per KV head ("kv") or per row
+    ("row", all query heads as one operand; needs a power-of-two H >= 16)."""
+    block_k: int = 64
+    splits: int | None = None
+    num_warps: int = 4
+    num_stages: int = 2
+    heads: str = "kv"
+
+    def __post_init__(self):
+        if not isinstance(self.block_k, int) or self.block_k < 16 or self.block_k & (self.block_k - 1):
+            raise ValueError(f"decode attention block_k={self.block_k!r}: expected a power of two >= 16")
+        if self.splits is not None and (not isinstance(self.splits, int) or self.splits < 1):
+            raise ValueError(f"decode attention splits={self.splits!r}: expected None or an integer >= 1")
+        if self.heads not in ("kv", "row"):
+            raise ValueError(f"decode attention heads={self.heads!r}: expected 'kv' or 'row'")
+
+
+@dataclasses.dataclass(frozen=True)
 class KernelConfig:
     backend: str = "auto"
     grouped: str = "auto"
     attention: str = "auto"
     decode_attention: str = "auto"
     grouped_tiles: GroupedTiles = DEFAULT_GROUPED_TILES
+    decode_attention_tiles: DecodeAttentionConfig = DecodeAttentionConfig()
 
     def __post_init__(self):
         for name, allowed in (("backend", BACKENDS), ("grouped", GROUPED), ("attention", ATTENTION),
@@ -157,6 +181,10 @@ class KernelConfig:
                 raise ValueError(f"kernels.{name}={v!r}: expected one of {('auto',) + allowed}")
         if not isinstance(self.grouped_tiles, GroupedTiles):
             object.__setattr__(self, "grouped_tiles", GroupedTiles.from_dict(self.grouped_tiles))
+        if isinstance(self.decode_attention_tiles, dict):
+            object.__setattr__(self, "decode_attention_tiles", DecodeAttentionConfig(**self.decode_attention_tiles))
+        if not isinstance(self.decode_attention_tiles, DecodeAttentionConfig):
+            raise ValueError(f"kernels.decode_attention_tiles={self.decode_attention_tiles!r}: expected a DecodeAttentionConfig or a dict of its fields")
 
     def resolved_backend(self) -> str:
         return _pick("backend", self.backend, BACKENDS, "pallas")

@@ -171,30 +171,38 @@ def test_grouped_dot_of_stored_kn_weights_equals_the_reference(rng):
         pk.grouped_dot_fp8(x, w, gs)
 
 
-@pytest.mark.parametrize("h,hkv,d,s,splits,block_k", [(8, 2, 64, 40, 1, 16), (8, 2, 64, 40, 3, 16), (4, 4, 32, 70, None, 32),
-                                                     (16, 2, 64, 200, 2, 64)])
-def test_decode_attention_pallas_equals_xla(rng, h, hkv, d, s, splits, block_k):
-    """The live-key decode kernel (interpreted) against the reference over the whole cache:
-    rows of every length, 0 (zeros out) and the full cache included; the output rounds once to
-    BF16, so the tolerance is one BF16 ulp of the outputs."""
+@pytest.mark.parametrize("h,hkv,d,s,splits,block_k,heads", [(8, 2, 64, 40, 1, 16, "kv"), (8, 2, 64, 40, 3, 16, "kv"),
+                                                           (4, 4, 32, 70, None, 32, "kv"), (16, 2, 64, 200, 2, 64, "kv"),
+                                                           (16, 4, 32, 70, 1, 32, "row"), (32, 4, 64, 40, 3, 16, "row"),
+                                                           (16, 2, 64, 200, None, 64, "row")])
+def test_decode_attention_pallas_equals_xla(rng, h, hkv, d, s, splits, block_k, heads):
+    """The live-key decode kernel (interpreted; a program per KV head or per row) against the
+    reference over the whole cache: rows of every length, 0 (zeros out) and the full cache
+    included; the output rounds once to BF16, so the tolerance is one BF16 ulp of the outputs."""
     b = 5
     q = jnp.asarray(rng.standard_normal((b, h, d)), jnp.bfloat16)
     k = jnp.asarray(rng.standard_normal((b, s, hkv, d)), jnp.bfloat16)
     v = jnp.asarray(rng.standard_normal((b, s, hkv, d)), jnp.bfloat16)
     lengths = jnp.asarray([0, 1, s, *rng.integers(2, s, 2)], jnp.int32)
     ref = pk.decode_attention(q, k, v, lengths, impl="xla")
-    out = pk.decode_attention(q, k, v, lengths, config=pk.DecodeAttentionConfig(block_k=block_k, splits=splits))
+    cfg = pk.DecodeAttentionConfig(block_k=block_k, splits=splits, heads=heads)
+    out = pk.decode_attention(q, k, v, lengths, config=cfg)
     assert out.shape == (b, h, d) and out.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(out[0]), 0)
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32), atol=2 ** -7, rtol=2 ** -7)
     # keys past a row's length do not matter
     k2 = jnp.where(jnp.arange(s)[None, :, None, None] < lengths[:, None, None, None], k, 1e4)
-    out2 = pk.decode_attention(q, k2, v, lengths, config=pk.DecodeAttentionConfig(block_k=block_k, splits=splits))
+    out2 = pk.decode_attention(q, k2, v, lengths, config=cfg)
     np.testing.assert_array_equal(np.asarray(out2), np.asarray(out))
     with pytest.raises(ValueError, match="lengths"):
         pk.decode_attention(q, k, v, lengths[:2])
     with pytest.raises(ValueError, match="block_k"):
         pk.DecodeAttentionConfig(block_k=24)
+    with pytest.raises(ValueError, match="heads="):
+        pk.DecodeAttentionConfig(heads="query")
+    if h < 16:
+        with pytest.raises(ValueError, match="heads='row' needs"):
+            pk.decode_attention(q, k, v, lengths, config=pk.DecodeAttentionConfig(heads="row"))
 
 
 def test_bad_inputs_name_the_argument(rng):

@@ -84,7 +84,8 @@ def test_decode_steps_through_the_live_key_kernel_equal_the_reference(model, spl
     mask = jnp.array([[1] * 7, [1] * 3 + [0] * 4, [0] * 7])
     out = {}
     for impl in ("xla", "pallas"):
-        prec = dataclasses.replace(P.Precision(), kernels=pk.KernelConfig(decode_attention=impl))
+        tiles = pk.DecodeAttentionConfig(splits=splits, block_k=16)
+        prec = dataclasses.replace(P.Precision(), kernels=pk.KernelConfig(decode_attention=impl, decode_attention_tiles=tiles))
         step = nnx.jit(lambda m, x, c, mask: m.forward(x, cache=c, mask=mask, precision=prec)[::2])
         cache = model.init_cache(3, 40)
         _, cache = step(model, t[:, :7], cache, mask)

@@ -136,7 +136,8 @@ class Attention(nnx.Module):
             v_all = _write_rows(cache["v"], v.astype(cache["v"].dtype), cache["start"], cache["active"])
             cache = {"k": k_all, "v": v_all}
             if t == 1 and prec.kernels.resolved_decode_attention() == "pallas":  # a decode step: the live keys only
-                o = pk.decode_attention(q[:, 0], k_all, v_all, live, impl="pallas")[:, None]
+                o = pk.decode_attention(q[:, 0], k_all, v_all, live, impl="pallas",
+                                        config=prec.kernels.decode_attention_tiles)[:, None]
             else:
                 k_pos = jnp.arange(k_all.shape[1])[None, :]
                 allowed = (k_pos[:, None, :] <= positions[:, :, None]) & key_valid[:, None, :]  # [B, T, S]
