@@ -80,20 +80,26 @@ def _burst_args(eng, batch, live):
 STATIC = dict(want_top=False, filtered=False)  # the burst's static flags: no top log-probs, no top-k / top-p
 
 
-def step_seconds(eng, batch, live, bursts=6):
+def step_seconds(eng, batch, live, bursts=6, static_loop=False):
     """Seconds of one decode step at a cache length of about ``live``: donated 16-step bursts
-    (the engine's own jitted loop), timed after a first one, divided by the steps."""
+    (the engine's own jitted loop), timed after a first one, divided by the steps.
+    ``static_loop``: the same burst with its trip count a constant instead of a traced value
+    (XLA:GPU then runs the loop without copying its predicate to the host every step)."""
     import jax
     import jax.numpy as jnp
 
+    burst = eng._burst
+    if static_loop:
+        burst = jax.jit(functools.partial(eng._burst_impl, n_steps=eng.decode_burst, **STATIC), donate_argnames=("cache",))
+    call = (lambda *a: burst(*a[:-1])) if static_loop else (lambda *a: burst(*a, **STATIC))
     start = max(1, live - eng.decode_burst * bursts // 2)
     args = _burst_args(eng, batch, start)
-    out, args[3] = eng._burst(*args, **STATIC)
+    out, args[3] = call(*args)
     jax.block_until_ready(out)
     args[3]["lengths"] = jnp.full((batch,), start, jnp.int32)
     t0 = time.perf_counter()
     for _ in range(bursts):
-        out, args[3] = eng._burst(*args, **STATIC)
+        out, args[3] = call(*args)
     jax.block_until_ready(out)
     return (time.perf_counter() - t0) / (bursts * eng.decode_burst)
 
@@ -131,7 +137,8 @@ def rollout_precision(name: str):
     return dc.replace(prec, kernels=dc.replace(prec.kernels, **{k: getattr(parsed, k) for k in fields}))
 
 
-def sweep(res, cfg, params, recipes, batches, prompts, new_tokens, copy_tbps, deadline, prompt_len=64, profile=(), hlo_dir=None):
+def sweep(res, cfg, params, recipes, batches, prompts, new_tokens, copy_tbps, deadline, prompt_len=64, profile=(), hlo_dir=None,
+          static_loop=False):
     from rollout.engine import Engine, Request
 
     rng = np.random.default_rng(0)
@@ -154,10 +161,12 @@ def sweep(res, cfg, params, recipes, batches, prompts, new_tokens, copy_tbps, de
                 eng.generate([dataclasses.replace(r, max_new_tokens=min(new_tokens, eng.decode_burst + 1)) for r in reqs[:batch]])  # compile
                 compile_s = time.time() - t0
                 step = step_seconds(eng, batch, live)
+                static_ms = step_seconds(eng, batch, live, static_loop=True) * 1e3 if static_loop else None
                 wb = weight_bytes_per_step(eng._state, cfg, batch)
                 kv = kv_bytes_per_step(cfg, batch, live)
                 limit = (wb + kv) / (copy_tbps * 1e12)
-                row = {"step_ms": step * 1e3, "byte_limit_ms": limit * 1e3, "x_byte_limit": step / limit,
+                row = {"step_ms": step * 1e3, **({"step_ms_static_loop": static_ms} if static_ms else {}),
+                       "byte_limit_ms": limit * 1e3, "x_byte_limit": step / limit,
                        "weight_MB_per_step": wb / 1e6, "kv_MB_per_step": kv / 1e6, "compile_s": compile_s}
                 if time.time() + (n_req + batch) * new_tokens / batch * step * 1.5 < deadline:
                     eng.generate(reqs[:batch])  # one full wave untimed: every burst and prefill shape compiled
@@ -202,6 +211,11 @@ def markdown(res):
             lines.append(f"| {r} | {b[1:]} | {'-' if tps is None else f'{tps:,.0f}'} | {v['step_ms']:.3f} | {v['byte_limit_ms']:.3f} | "
                          f"{v['x_byte_limit']:.1f} | {v['weight_MB_per_step']:.0f} | {v['kv_MB_per_step']:.0f} |")
         lines.append("")
+        static = [(k, v) for k, v in sw.items() if v.get("step_ms_static_loop")]
+        if static:
+            lines += ["Decode step with the burst's trip count a constant (no per-step predicate copy to the host):", "",
+                      "| recipe / batch | step ms (engine) | step ms (constant trip count) |", "|---|---|---|"]
+            lines += [f"| {k} | {v['step_ms']:.3f} | {v['step_ms_static_loop']:.3f} |" for k, v in static] + [""]
         for k, v in sw.items():
             ker = v.get("kernels_us_per_step")
             if ker:
@@ -253,6 +267,8 @@ def main():
     ap.add_argument("--budget", type=float, default=1e9, help="seconds; later sweep entries are skipped past it")
     ap.add_argument("--profile-batches", default="256", help="batches whose decode step gets a per-kernel breakdown ('' for none)")
     ap.add_argument("--tiny", action="store_true", help="a small model and sizes: checks the harness on a CPU")
+    ap.add_argument("--static-loop", action="store_true",
+                    help="also time each decode step with the burst's trip count a constant (step_ms_static_loop)")
     a = ap.parse_args()
     t_start = time.time()
     from flax import nnx
@@ -269,7 +285,7 @@ def main():
     try:
         sweep(res, cfg, params, a.recipes.split(","), [int(b) for b in a.batches.split(",")], a.prompts, a.new_tokens,
               ceil.get("copy_TBps") or 1.0, t_start + a.budget, prompt_len=16 if a.tiny else 64,
-              profile=[int(b) for b in a.profile_batches.split(",") if b], hlo_dir=a.out)
+              profile=[int(b) for b in a.profile_batches.split(",") if b], hlo_dir=a.out, static_loop=a.static_loop)
     except Exception as e:
         res.data["errors"]["sweep"] = f"{type(e).__name__}: {e}"[:600]
         traceback.print_exc()
