@@ -2,7 +2,7 @@
 # Runs the test suite on the CPU (8 simulated XLA devices), setting up the environment first.
 #   ./test.sh            all tests
 #   ./test.sh -k nvfp4   any pytest arguments
-# Two worker processes by default (pytest-xdist; each test runs in one of them): 13 to 16 minutes
+# Two worker processes by default (pytest-xdist; each test runs in one of them): 15 to 18 minutes
 # on a 2-core CPU where one process took 21. `-n 0` runs in this process, `-n N` in N workers.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
