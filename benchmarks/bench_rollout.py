@@ -88,12 +88,13 @@ def step_seconds(eng, batch, live, bursts=6, static_loop=False):
     import jax
     import jax.numpy as jnp
 
-    burst = eng._burst
-    if static_loop:
-        burst = jax.jit(functools.partial(eng._burst_impl, n_steps=eng.decode_burst, **STATIC), donate_argnames=("cache",))
-    call = (lambda *a: burst(*a[:-1])) if static_loop else (lambda *a: burst(*a, **STATIC))
     start = max(1, live - eng.decode_burst * bursts // 2)
     args = _burst_args(eng, batch, start)
+    if static_loop:  # the trip count bound while tracing, in place of the traced last argument
+        args = args[:-1]
+        call = jax.jit(functools.partial(eng._burst_impl, n_steps=eng.decode_burst, **STATIC), donate_argnames=("cache",))
+    else:
+        call = functools.partial(eng._burst, **STATIC)
     out, args[3] = call(*args)
     jax.block_until_ready(out)
     args[3]["lengths"] = jnp.full((batch,), start, jnp.int32)

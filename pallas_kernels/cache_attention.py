@@ -119,14 +119,11 @@ def _call(q, k, v, lengths, *, config: DecodeAttentionConfig, interpret: bool):
     b, h, d = q.shape
     seq, hkv = k.shape[1], k.shape[2]
     g = h // hkv
-    if config.heads == "row":
-        return _call_rows(q, k, v, lengths, config=config, interpret=interpret)
     gp = max(_MIN_ROWS, pl.next_power_of_2(g))
     splits = config.splits or splits_for(b, hkv)
     qg = jnp.pad(q.reshape(b, hkv, g, d), ((0, 0), (0, 0), (0, gp - g), (0, 0)))
-    if interpret:  # interpret mode clamps a slice that runs past the end instead of masking it
-        pad = ((0, 0), (0, -seq % config.block_k), (0, 0), (0, 0))
-        k, v = jnp.pad(k, pad), jnp.pad(v, pad)
+    if interpret:
+        k, v = _pad_keys(k, v, config.block_k)
     one = splits == 1
     part = (b, hkv, splits, gp)
     out_shape = [jax.ShapeDtypeStruct(part + (d,), q.dtype if one else jnp.float32),
@@ -148,6 +145,13 @@ def _call(q, k, v, lengths, *, config: DecodeAttentionConfig, interpret: bool):
     return o[:, :, :g].reshape(b, h, d).astype(q.dtype)
 
 
+def _pad_keys(k, v, block_k):
+    """Caches padded to whole key blocks: interpret mode clamps a slice that runs past the end
+    instead of masking it."""
+    pad = ((0, 0), (0, -k.shape[1] % block_k), (0, 0), (0, 0))
+    return jnp.pad(k, pad), jnp.pad(v, pad)
+
+
 def _merge_splits(o, m, l, axis):
     """The splits' partial softmax results (unnormalised outputs, maxima, sums along ``axis``)
     merged into the normalised output."""
@@ -161,12 +165,9 @@ def _call_rows(q, k, v, lengths, *, config: DecodeAttentionConfig, interpret: bo
     """``heads="row"``: one program per (row, split) over all H query heads."""
     b, h, d = q.shape
     seq, hkv = k.shape[1], k.shape[2]
-    if h < _MIN_ROWS or h & (h - 1):
-        raise ValueError(f"config: DecodeAttentionConfig.heads='row' needs a power-of-two H >= {_MIN_ROWS} query heads, got {h}")
     splits = config.splits or splits_for(b, 1)
-    if interpret:  # interpret mode clamps a slice that runs past the end instead of masking it
-        pad = ((0, 0), (0, -seq % config.block_k), (0, 0), (0, 0))
-        k, v = jnp.pad(k, pad), jnp.pad(v, pad)
+    if interpret:
+        k, v = _pad_keys(k, v, config.block_k)
     one = splits == 1
     part = (b, splits, h)
     out_shape = [jax.ShapeDtypeStruct(part + (d,), q.dtype if one else jnp.float32),
@@ -199,4 +200,10 @@ def decode_attention(q, k, v, lengths, *, impl: str = "pallas", config: DecodeAt
         return decode_attention_xla(q, k, v, lengths)
     if impl != "pallas":
         raise ValueError(f"impl={impl!r}: expected 'pallas' or 'xla'")
-    return _call(q, k, v, lengths, config=config or DecodeAttentionConfig(), interpret=interpret_mode())
+    config = config or DecodeAttentionConfig()
+    if config.heads == "row":
+        h = q.shape[1]
+        if h < _MIN_ROWS or h & (h - 1):
+            raise ValueError(f"config: DecodeAttentionConfig.heads='row' needs a power-of-two H >= {_MIN_ROWS} query heads, got {h}")
+        return _call_rows(q, k, v, lengths, config=config, interpret=interpret_mode())
+    return _call(q, k, v, lengths, config=config, interpret=interpret_mode())

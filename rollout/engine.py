@@ -74,6 +74,11 @@ class Result:
     prompt_top_logprobs: list | None = None  # per prompt position 1 ..: [(logprob, token id)] * Request.top_logprobs
 
 
+def filters(top_k, top_p, vocab: int):
+    """Per row, whether it samples from a top-k / top-p set (numpy or jax arrays [B])."""
+    return ((top_k > 0) & (top_k < vocab)) | (top_p < 1.0)
+
+
 def sample(logits, temperature, top_p, top_k, keys, filtered: bool = True):
     """Row-wise sampling: logits [B, V] float32; temperature/top_p/top_k [B]; keys [B].
     Returns (tokens [B], logprob of each under the raw logits [B]).
@@ -99,7 +104,7 @@ def sample(logits, temperature, top_p, top_k, keys, filtered: bool = True):
 
     floor = jnp.full(scaled.shape[:1], -jnp.inf, scaled.dtype)
     if filtered:
-        floor = jnp.where(((top_k > 0) & (top_k < v)) | (top_p < 1.0), kept_floor(scaled), floor)
+        floor = jnp.where(filters(top_k, top_p, v), kept_floor(scaled), floor)
     g = jax.vmap(lambda key: jax.random.gumbel(key, (v,), jnp.float32))(keys)
     pick = jnp.argmax(jnp.where(scaled >= floor[:, None], scaled + g, -jnp.inf), axis=-1)
     tok = jnp.where(temperature <= 0, jnp.argmax(logits, axis=-1), pick).astype(jnp.int32)
@@ -387,8 +392,8 @@ class Engine:
                         finish[ri] = "stop" if stop else "length"
                         slot_req[s] = -1
 
-        def filters(rows):  # whether a row of ``rows`` samples from a top-k / top-p set
-            return bool(((topk[rows] > 0) & (topk[rows] < vocab)).any() or (topp[rows] < 1.0).any())
+        def filtered(rows):  # whether a row of ``rows`` samples from a top-k / top-p set
+            return bool(filters(topk[rows], topp[rows], vocab).any())
 
         def positions():
             return np.array([len(out_ids[q]) if q >= 0 else 0 for q in slot_req], np.int32)
@@ -423,7 +428,7 @@ class Engine:
                     last = np.maximum(mask.sum(1) - 1, 0).astype(np.int32)
                     tok, lp, cache, ex, top, every, plp, ptop = self._step(
                         state, toks, mask, cache, last, temp, topp, topk, seeds, positions(), want_top & mask.any(1),
-                        want_prompt & mask.any(1), filtered=filters(rows))
+                        want_prompt & mask.any(1), filtered=filtered(rows))
                     # what only some requests asked for leaves the device only when one of them did
                     wants = [s for s in rows if requests[slot_req[s]].return_experts]
                     if wants and every is not None:
@@ -453,10 +458,10 @@ class Engine:
             for s in active:
                 x = sorted(stop_sets[slot_req[s]])
                 table[s, : len(x)] = x
+            any_top = bool(want_top[active].any())
             out, cache = self._burst(state, last_tok, remaining > 0, cache, temp, topp, topk, seeds, positions(),
-                                     remaining, table, np.int32(n), want_top=bool(want_top[active].any()),
-                                     filtered=filters(active))
-            if not want_top[active].any():  # the top log-probs were not computed: leave them on the device
+                                     remaining, table, np.int32(n), want_top=any_top, filtered=filtered(active))
+            if not any_top:  # the top log-probs were not computed: leave them on the device
                 out = {k: v for k, v in out.items() if not k.startswith("top_")}
             out = jax.device_get(out)
             record(active, out["tok"][:n], out["lp"][:n], out["emitted"][:n], out.get("experts"),
