@@ -121,17 +121,18 @@ def quant_cases(tiny: bool):
                 variants["one program a row"] = dataclasses.replace(base, parts=1)
                 if base.chunk > 256 and k // 16 <= pk.RANK_MAX_BLOCKS:
                     variants["one program a row, chunk 256"] = dataclasses.replace(base, parts=1, chunk=256, select="rank")
-            # smaller chunks at the default layout (warps as quant_config gives them: 4 below 512
-            # channels), and the in-kernel rank with them: one launch for RAC
+            # smaller chunks at the default layout (warps as quant_config gives them: 16 with
+            # 256-channel chunks), and the in-kernel rank with them: one launch for RAC
             for c in (256, 512):
                 if c < base.chunk and rho < 1:
-                    variants[f"chunk {c}"] = dataclasses.replace(base, chunk=c, num_warps=8 if c >= 512 else 4)
+                    variants[f"chunk {c}"] = dataclasses.replace(base, chunk=c, num_warps=8 if c >= 512 else 16)
                     if rho == 0.5 and k // 16 <= pk.RANK_MAX_BLOCKS and base.select != "rank":
                         variants[f"select rank, chunk {c}"] = dataclasses.replace(variants[f"chunk {c}"], select="rank")
             if rho == 0.5:  # the other selection and warp counts
                 variants.update({f"select {s}": dataclasses.replace(base, select=s) for s in ("rank", "split", "energies")
                                  if s != base.select and (s == "split" or k // 16 <= pk.RANK_MAX_BLOCKS)})
-                variants.update({f"{w} warps": dataclasses.replace(base, num_warps=w) for w in (4, 16) if w != base.num_warps})
+            if rho == 0.5 or (rho == 0 and base.chunk <= 256):  # 256-channel chunks: 4 warps was 3.7x slower (T64 K768)
+                variants.update({f"{w} warps": dataclasses.replace(base, num_warps=w) for w in (4, 8, 16) if w != base.num_warps})
             for name, c in variants.items():
                 fn = lambda v, c=c, rho=rho: pk.quantize_operand(v, rac_ratio=rho, order=order, backend="pallas", config=c)
                 cases.append(Case("quant", shape, "operand", f"pallas {name}", fn, (x,), ref=ref, exact=True,
@@ -348,12 +349,10 @@ def attention_cases(tiny: bool):
         shape = f"B{b} cache {s} ({h} heads / {hkv} kv, d {dh})"
         # the default config, then other key blocks, pipeline depths, warps and splits
         variants = {"default": pk.DecodeAttentionConfig()}
-        for f, vals in (("block_k", (32, 128)), ("num_stages", (3, 4)), ("num_warps", (2, 8)), ("splits", (2, 4))):
+        for f, vals in (("block_k", (32, 128)), ("num_stages", (3,)), ("num_warps", (2, 8)), ("splits", (1, 2, 3, 4, 8))):
             variants.update({f"{f} {x}": dataclasses.replace(variants["default"], **{f: x}) for x in vals})
-        if h >= 16:  # a program per row over all query heads: no padded group, no pad and slice around the kernel
-            variants.update({"heads row": pk.DecodeAttentionConfig(heads="row"),
-                             "heads row splits 1": pk.DecodeAttentionConfig(heads="row", splits=1),
-                             "heads row warps 8": pk.DecodeAttentionConfig(heads="row", num_warps=8)})
+        # a program per KV head, its query heads padded to 16 MMA rows (the default below 16 heads)
+        variants["heads kv"] = pk.DecodeAttentionConfig(heads="kv")
         for name, c in variants.items():
             cases.append(Case("attention", shape, "decode attention", f"pallas {name}",
                               lambda q, k, v, n, c=c: pk.decode_attention(q, k, v, n, config=c), (q, k, v, lengths), ref=ref,

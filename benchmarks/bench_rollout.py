@@ -115,13 +115,13 @@ def kernels_per_step(eng, batch, live, top=80, hlo_path=None):
     return H.top_kernels(per, top, steps=eng.decode_burst)
 
 
-# kernel variants a recipe name may carry after "+" (``--recipes quads,quads+row_attention``):
+# kernel variants a recipe name may carry after "+" (``--recipes quads,quads+kv_attention``):
 # KernelConfig fields replaced in that recipe's config, compared in the same process
-KERNEL_VARIANTS = {"row_attention": {"decode_attention_tiles": {"heads": "row"}}}
+KERNEL_VARIANTS = {"kv_attention": {"decode_attention_tiles": {"heads": "kv"}}}
 
 
 def rollout_precision(name: str):
-    """The rollout recipe ``name`` ("quads", or "quads+row_attention": a KERNEL_VARIANTS entry)."""
+    """The rollout recipe ``name`` ("quads", or "quads+kv_attention": a KERNEL_VARIANTS entry)."""
     import dataclasses as dc
 
     import pallas_kernels as pk

@@ -17,7 +17,9 @@ programs do together when H = 16).
 ``DecodeAttentionConfig.splits`` > 1 cuts each row's live keys into that many parts, whose
 partial softmax results (unnormalised output, max, sum) are merged afterwards
 (flash-decoding): more programs when batch x KV heads is small against the SM count.
-``splits=None`` picks it from the batch (``splits_for``).
+``splits=None`` picks it from the batch (``splits_for``): about two waves of the SMs for
+the per-head programs, one wave for the per-row ones (at B=256 one split a row, the fastest
+measured).
 """
 
 from __future__ import annotations
@@ -165,7 +167,7 @@ def _call_rows(q, k, v, lengths, *, config: DecodeAttentionConfig, interpret: bo
     """``heads="row"``: one program per (row, split) over all H query heads."""
     b, h, d = q.shape
     seq, hkv = k.shape[1], k.shape[2]
-    splits = config.splits or splits_for(b, 1)
+    splits = config.splits or splits_for(b, 1, programs=device_sms())
     if interpret:
         k, v = _pad_keys(k, v, config.block_k)
     one = splits == 1
@@ -187,6 +189,15 @@ def _call_rows(q, k, v, lengths, *, config: DecodeAttentionConfig, interpret: bo
     return (_merge_splits(o, m, l, axis=1) if not one else o[:, 0]).astype(q.dtype)
 
 
+def heads_layout(config: DecodeAttentionConfig, h: int) -> str:
+    """The programs' layout for H query heads: "row" or "kv" (``config.heads``; "auto" takes
+    "row" where H is a power of two >= 16)."""
+    rows_fit = h >= _MIN_ROWS and not h & (h - 1)
+    if config.heads == "row" and not rows_fit:
+        raise ValueError(f"config: DecodeAttentionConfig.heads='row' needs a power-of-two H >= {_MIN_ROWS} query heads, got {h}")
+    return "row" if config.heads == "row" or (config.heads == "auto" and rows_fit) else "kv"
+
+
 def decode_attention(q, k, v, lengths, *, impl: str = "pallas", config: DecodeAttentionConfig | None = None):
     """Attention of one query token per row, q [B, H, D], over the first ``lengths[b]`` keys of
     the caches k, v [B, S, Hkv, D]. ``impl``: "pallas" (interpreted off a GPU) or "xla"."""
@@ -201,9 +212,6 @@ def decode_attention(q, k, v, lengths, *, impl: str = "pallas", config: DecodeAt
     if impl != "pallas":
         raise ValueError(f"impl={impl!r}: expected 'pallas' or 'xla'")
     config = config or DecodeAttentionConfig()
-    if config.heads == "row":
-        h = q.shape[1]
-        if h < _MIN_ROWS or h & (h - 1):
-            raise ValueError(f"config: DecodeAttentionConfig.heads='row' needs a power-of-two H >= {_MIN_ROWS} query heads, got {h}")
+    if heads_layout(config, q.shape[1]) == "row":
         return _call_rows(q, k, v, lengths, config=config, interpret=interpret_mode())
     return _call(q, k, v, lengths, config=config, interpret=interpret_mode())

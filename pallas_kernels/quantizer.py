@@ -112,10 +112,13 @@ def quant_config(t: int, k: int, num_sms: int | None = None) -> QuantConfig:
     chunk = 1024
     while (k // parts) % chunk:
         chunk //= 2
-    # 8 warps from 512-channel chunks (a parity half of 256 values: one a thread)
+    # 8 warps from 512-channel chunks (a parity half of 256 values: one a thread); 256-channel
+    # chunks (K = 768: Qwen3-30B-A3B's down projection) take 16: with 4 its RAC was 3.7x slower
+    # on an H100 (40.8 against 11.0 us at T=64, 2026-12-07-h100-rows)
     blocks = k // 16
     select = "split" if blocks > RANK_MAX_BLOCKS else "energies" if t < 1024 else "rank"
-    return QuantConfig(block_rows=block_rows, chunk=chunk, num_warps=8 if chunk >= 512 else 4, parts=parts, select=select)
+    warps = 8 if chunk >= 512 else 16 if chunk == 256 else 4
+    return QuantConfig(block_rows=block_rows, chunk=chunk, num_warps=warps, parts=parts, select=select)
 
 
 # ----------------------------------------------------------------------------- kernel
