@@ -351,8 +351,6 @@ def attention_cases(tiny: bool):
         variants = {"default": pk.DecodeAttentionConfig()}
         for f, vals in (("block_k", (32, 128)), ("num_stages", (3,)), ("num_warps", (2, 8)), ("splits", (1, 2, 3, 4, 8))):
             variants.update({f"{f} {x}": dataclasses.replace(variants["default"], **{f: x}) for x in vals})
-        # a program per KV head, its query heads padded to 16 MMA rows (the default below 16 heads)
-        variants["heads kv"] = pk.DecodeAttentionConfig(heads="kv")
         for name, c in variants.items():
             cases.append(Case("attention", shape, "decode attention", f"pallas {name}",
                               lambda q, k, v, n, c=c: pk.decode_attention(q, k, v, n, config=c), (q, k, v, lengths), ref=ref,

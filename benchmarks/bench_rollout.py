@@ -115,31 +115,9 @@ def kernels_per_step(eng, batch, live, top=80, hlo_path=None):
     return H.top_kernels(per, top, steps=eng.decode_burst)
 
 
-# kernel variants a recipe name may carry after "+" (``--recipes quads,quads+kv_attention``):
-# KernelConfig fields replaced in that recipe's config, compared in the same process
-KERNEL_VARIANTS = {"kv_attention": {"decode_attention_tiles": {"heads": "kv"}}}
-
-
-def rollout_precision(name: str):
-    """The rollout recipe ``name`` ("quads", or "quads+kv_attention": a KERNEL_VARIANTS entry)."""
-    import dataclasses as dc
-
-    import pallas_kernels as pk
-    from quads_jax import precision as P
-
-    recipe, _, variant = name.partition("+")
-    prec = P.rollout_recipe(recipe)
-    if not variant:
-        return prec
-    if variant not in KERNEL_VARIANTS:
-        raise ValueError(f"recipe {name!r}: unknown kernel variant {variant!r}; expected one of {sorted(KERNEL_VARIANTS)}")
-    fields = KERNEL_VARIANTS[variant]
-    parsed = pk.KernelConfig.from_dict(fields)
-    return dc.replace(prec, kernels=dc.replace(prec.kernels, **{k: getattr(parsed, k) for k in fields}))
-
-
 def sweep(res, cfg, params, recipes, batches, prompts, new_tokens, copy_tbps, deadline, prompt_len=64, profile=(), hlo_dir=None,
           static_loop=False):
+    from quads_jax import precision as P
     from rollout.engine import Engine, Request
 
     rng = np.random.default_rng(0)
@@ -156,7 +134,7 @@ def sweep(res, cfg, params, recipes, batches, prompts, new_tokens, copy_tbps, de
                 continue
             try:
                 t0 = time.time()
-                prec = rollout_precision(recipe)
+                prec = P.rollout_recipe(recipe)
                 eng = Engine(cfg, recipe=prec, max_batch=batch, max_len=prompt_len + new_tokens)
                 eng.load(params)
                 eng.generate([dataclasses.replace(r, max_new_tokens=min(new_tokens, eng.decode_burst + 1)) for r in reqs[:batch]])  # compile
@@ -262,7 +240,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results/rollout"))
     ap.add_argument("--batches", default="16,64,256,512")
     ap.add_argument("--recipes", default="bf16,fp8,nvfp4_naive,quads",
-                    help=f"comma-separated; a name may carry a kernel variant after '+', among {sorted(KERNEL_VARIANTS)}")
+                    help="comma-separated rollout recipes")
     ap.add_argument("--prompts", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=512)
     ap.add_argument("--budget", type=float, default=1e9, help="seconds; later sweep entries are skipped past it")

@@ -4,22 +4,19 @@
 
 Row b attends to its keys 0 .. lengths[b] - 1 (a row of length 0 gets zeros). The cache
 stays in the engine's layout [B, S, Hkv, D], so nothing is copied or transposed per step.
-One program per (row, KV head, split) loops over the key blocks below the row's length
-only: the bytes a step reads grow with the live tokens, not with the cache's size (the
-XLA reference reads, scores and masks the whole cache). The G query heads that share a
-KV head (GQA) form one MMA operand, padded to 16 rows (an XLA pad before the kernel and a
-slice after it). ``DecodeAttentionConfig.heads="row"`` instead runs one program per (row,
-split) over all H query heads as one operand (H >= 16: no padding, q and the output in
-their own layout): each key block's scores are H x block_k products against every KV head,
-each query row keeping its own head's (Hkv MMAs a block, as many as the padded per-head
-programs do together when H = 16).
+One program per (row, split) loops over the key blocks below the row's length only: the
+bytes a step reads grow with the live tokens, not with the cache's size (the XLA reference
+reads, scores and masks the whole cache). All H query heads of the row are one MMA operand
+(padded to a power of two >= 16 rows where H is not one): each key block's scores are
+H x block_k products against every KV head, each query row keeping its own head's (GQA).
+On an H100 this beat a program per KV head, whose G query heads were padded to 16 rows
+(11.9 against 13.3 us at B=64, 41.6 against 51.2 at B=256: 2026-12-07-h100-rows).
 
 ``DecodeAttentionConfig.splits`` > 1 cuts each row's live keys into that many parts, whose
 partial softmax results (unnormalised output, max, sum) are merged afterwards
-(flash-decoding): more programs when batch x KV heads is small against the SM count.
-``splits=None`` picks it from the batch (``splits_for``): about two waves of the SMs for
-the per-head programs, one wave for the per-row ones (at B=256 one split a row, the fastest
-measured).
+(flash-decoding): more programs when the batch is small against the SM count.
+``splits=None`` picks it from the batch (``splits_for``: about one wave of the SMs; at
+B=256 one split a row, the fastest measured).
 """
 
 from __future__ import annotations
@@ -34,15 +31,15 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.config import DecodeAttentionConfig, interpret_mode
 from pallas_kernels.tiling import device_sms
 
-_MIN_ROWS = 16  # the smallest MMA operand: the G query heads of a KV head are padded to it
+_MIN_ROWS = 16  # the smallest MMA operand: a row's query heads are padded to it
 _NEG = -1e30
 
 
-def splits_for(batch: int, kv_heads: int, programs: int | None = None, most: int = 8) -> int:
-    """Splits that give about ``programs`` programs (default: two waves of the device's SMs),
+def splits_for(batch: int, programs: int | None = None, most: int = 8) -> int:
+    """Splits that give about ``programs`` programs (default: one wave of the device's SMs),
     at most ``most``."""
-    programs = programs or 2 * device_sms()
-    return max(1, min(most, -(-programs // max(1, batch * kv_heads))))
+    programs = programs or device_sms()
+    return max(1, min(most, -(-programs // max(1, batch))))
 
 
 def decode_attention_xla(q, k, v, lengths):
@@ -64,24 +61,19 @@ def _dot(a, b, b_axis):
     return jax.lax.dot_general(a, b, (((1,), (b_axis,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def _kernel(len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, block_k, splits, scale, seq, kv_heads):
-    """One program: row b, split s, and KV head ``program_id(1)`` (``kv_heads`` None: q_ref
-    holds that head's padded group) or every KV head (``kv_heads`` = Hkv: q_ref holds all H
-    query heads, head j's G rows at j G ...)."""
-    if kv_heads is None:
-        b, h, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-        heads = (h,)
-    else:
-        b, s = pl.program_id(0), pl.program_id(1)
-        heads = tuple(jnp.int32(j) for j in range(kv_heads))  # arrays, as program ids are (interpret mode's loads)
+def _kernel(len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, block_k, splits, scale, seq, group):
+    """One program: row b, split s, every KV head; q_ref holds the row's query heads, head j's
+    ``group`` rows at j * group (rows past H are padding)."""
+    b, s = pl.program_id(0), pl.program_id(1)
+    heads = tuple(jnp.int32(j) for j in range(k_ref.shape[2]))  # arrays, as program ids are (interpret mode's loads)
     n = len_ref[b]
     chunk = pl.cdiv(pl.cdiv(n, splits), block_k) * block_k  # this row's keys per split, whole blocks
     lo = s * chunk
     hi = jnp.minimum(lo + chunk, n)
-    q = q_ref[...]  # [Gp, D] or [H, D]
-    gp, d = q.shape
+    q = q_ref[...]  # [Hp, D]
+    hp, d = q.shape
     cols = jnp.arange(block_k)
-    group = jnp.arange(gp) // (gp // len(heads))  # each query row's KV head (among ``heads``)
+    head_of = jnp.arange(hp) // group  # each query row's KV head (padding rows: none of them)
 
     def body(i, carry):
         acc, m, l = carry
@@ -91,7 +83,7 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, block_k, split
         ok = jnp.broadcast_to((idx < seq)[:, None], (block_k, d))
         kv = [(plgpu.load(k_ref.at[b, pl.ds(start, block_k), h, :], mask=ok, other=0.0),  # [bk, D] each
                plgpu.load(v_ref.at[b, pl.ds(start, block_k), h, :], mask=ok, other=0.0)) for h in heads]
-        mine = lambda j: (group == j)[:, None]
+        mine = lambda j: (head_of == j)[:, None]
         sc = None
         for j, (kt, _) in enumerate(kv):
             sj = _dot(q, kt.astype(q.dtype), 1)  # [rows, bk] FP32
@@ -106,7 +98,7 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, block_k, split
         return acc, m_new, l * corr + jnp.sum(p, axis=1)
 
     steps = pl.cdiv(jnp.maximum(hi - lo, 0), block_k)
-    init = (jnp.zeros((gp, d), jnp.float32), jnp.full((gp,), _NEG, jnp.float32), jnp.zeros((gp,), jnp.float32))
+    init = (jnp.zeros((hp, d), jnp.float32), jnp.full((hp,), _NEG, jnp.float32), jnp.zeros((hp,), jnp.float32))
     acc, m, l = jax.lax.fori_loop(0, steps, body, init)
     if splits == 1:  # the whole row here: normalise and write the output
         o_ref[...] = (acc / jnp.maximum(l, 1e-30)[:, None]).astype(o_ref.dtype)
@@ -114,37 +106,6 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, block_k, split
         o_ref[...] = acc
         m_ref[...] = m
         l_ref[...] = l
-
-
-@functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def _call(q, k, v, lengths, *, config: DecodeAttentionConfig, interpret: bool):
-    b, h, d = q.shape
-    seq, hkv = k.shape[1], k.shape[2]
-    g = h // hkv
-    gp = max(_MIN_ROWS, pl.next_power_of_2(g))
-    splits = config.splits or splits_for(b, hkv)
-    qg = jnp.pad(q.reshape(b, hkv, g, d), ((0, 0), (0, 0), (0, gp - g), (0, 0)))
-    if interpret:
-        k, v = _pad_keys(k, v, config.block_k)
-    one = splits == 1
-    part = (b, hkv, splits, gp)
-    out_shape = [jax.ShapeDtypeStruct(part + (d,), q.dtype if one else jnp.float32),
-                 jax.ShapeDtypeStruct(part, jnp.float32), jax.ShapeDtypeStruct(part, jnp.float32)]
-    row = lambda i, j, s: (i, j, s, 0)
-    o, m, l = pl.pallas_call(
-        functools.partial(_kernel, block_k=config.block_k, splits=splits, scale=d**-0.5, seq=seq, kv_heads=None),
-        out_shape=out_shape,
-        grid=(b, hkv, splits),
-        in_specs=[pl.no_block_spec, pl.BlockSpec((None, None, gp, d), lambda i, j, s: (i, j, 0, 0)), pl.no_block_spec,
-                  pl.no_block_spec],
-        out_specs=[pl.BlockSpec((None, None, None, gp, d), lambda i, j, s: (i, j, s, 0, 0)),
-                   pl.BlockSpec((None, None, None, gp), row), pl.BlockSpec((None, None, None, gp), row)],
-        compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
-        interpret=interpret,
-        name="decode_attention",
-    )(lengths, qg, k, v)
-    o = _merge_splits(o, m, l, axis=2) if not one else o[:, :, 0]
-    return o[:, :, :g].reshape(b, h, d).astype(q.dtype)
 
 
 def _pad_keys(k, v, block_k):
@@ -163,39 +124,33 @@ def _merge_splits(o, m, l, axis):
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def _call_rows(q, k, v, lengths, *, config: DecodeAttentionConfig, interpret: bool):
-    """``heads="row"``: one program per (row, split) over all H query heads."""
+def _call(q, k, v, lengths, *, config: DecodeAttentionConfig, interpret: bool):
     b, h, d = q.shape
     seq, hkv = k.shape[1], k.shape[2]
-    splits = config.splits or splits_for(b, 1, programs=device_sms())
+    hp = max(_MIN_ROWS, pl.next_power_of_2(h))
+    splits = config.splits or splits_for(b)
+    if hp != h:  # MMA operands of a power of two >= 16 rows
+        q = jnp.pad(q, ((0, 0), (0, hp - h), (0, 0)))
     if interpret:
         k, v = _pad_keys(k, v, config.block_k)
     one = splits == 1
-    part = (b, splits, h)
+    part = (b, splits, hp)
     out_shape = [jax.ShapeDtypeStruct(part + (d,), q.dtype if one else jnp.float32),
                  jax.ShapeDtypeStruct(part, jnp.float32), jax.ShapeDtypeStruct(part, jnp.float32)]
     row = lambda i, s: (i, s, 0)
     o, m, l = pl.pallas_call(
-        functools.partial(_kernel, block_k=config.block_k, splits=splits, scale=d**-0.5, seq=seq, kv_heads=hkv),
+        functools.partial(_kernel, block_k=config.block_k, splits=splits, scale=d**-0.5, seq=seq, group=h // hkv),
         out_shape=out_shape,
         grid=(b, splits),
-        in_specs=[pl.no_block_spec, pl.BlockSpec((None, h, d), lambda i, s: (i, 0, 0)), pl.no_block_spec, pl.no_block_spec],
-        out_specs=[pl.BlockSpec((None, None, h, d), lambda i, s: (i, s, 0, 0)), pl.BlockSpec((None, None, h), row),
-                   pl.BlockSpec((None, None, h), row)],
+        in_specs=[pl.no_block_spec, pl.BlockSpec((None, hp, d), lambda i, s: (i, 0, 0)), pl.no_block_spec, pl.no_block_spec],
+        out_specs=[pl.BlockSpec((None, None, hp, d), lambda i, s: (i, s, 0, 0)), pl.BlockSpec((None, None, hp), row),
+                   pl.BlockSpec((None, None, hp), row)],
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="decode_attention",
     )(lengths, q, k, v)
-    return (_merge_splits(o, m, l, axis=1) if not one else o[:, 0]).astype(q.dtype)
-
-
-def heads_layout(config: DecodeAttentionConfig, h: int) -> str:
-    """The programs' layout for H query heads: "row" or "kv" (``config.heads``; "auto" takes
-    "row" where H is a power of two >= 16)."""
-    rows_fit = h >= _MIN_ROWS and not h & (h - 1)
-    if config.heads == "row" and not rows_fit:
-        raise ValueError(f"config: DecodeAttentionConfig.heads='row' needs a power-of-two H >= {_MIN_ROWS} query heads, got {h}")
-    return "row" if config.heads == "row" or (config.heads == "auto" and rows_fit) else "kv"
+    o = _merge_splits(o, m, l, axis=1) if not one else o[:, 0]
+    return o[:, :h].astype(q.dtype)
 
 
 def decode_attention(q, k, v, lengths, *, impl: str = "pallas", config: DecodeAttentionConfig | None = None):
@@ -211,7 +166,4 @@ def decode_attention(q, k, v, lengths, *, impl: str = "pallas", config: DecodeAt
         return decode_attention_xla(q, k, v, lengths)
     if impl != "pallas":
         raise ValueError(f"impl={impl!r}: expected 'pallas' or 'xla'")
-    config = config or DecodeAttentionConfig()
-    if heads_layout(config, q.shape[1]) == "row":
-        return _call_rows(q, k, v, lengths, config=config, interpret=interpret_mode())
-    return _call(q, k, v, lengths, config=config, interpret=interpret_mode())
+    return _call(q, k, v, lengths, config=config or DecodeAttentionConfig(), interpret=interpret_mode())

@@ -147,23 +147,17 @@ DEFAULT_GROUPED_TILES = GroupedTiles(fwd=_TILE, dx=_TILE, dw=DwTiles(block_k=128
 class DecodeAttentionConfig:
     """The live-KV decode attention's tiles (``cache_attention``): ``block_k`` keys a loop
     step; ``splits`` parts of each row's live keys (None: from the batch); ``num_warps`` /
-    ``num_stages`` of the Triton program; ``heads``: a program per KV head ("kv"), per row
-    ("row": all query heads as one operand; needs a power-of-two H >= 16), or "auto": "row"
-    where H allows it, "kv" otherwise. "row" measured faster on an H100 at B 64 and 256
-    (benchmarks/results/2026-12-07-h100-rows)."""
+    ``num_stages`` of the Triton program."""
     block_k: int = 64
     splits: int | None = None
     num_warps: int = 4
     num_stages: int = 2
-    heads: str = "auto"
 
     def __post_init__(self):
         if not isinstance(self.block_k, int) or self.block_k < 16 or self.block_k & (self.block_k - 1):
             raise ValueError(f"decode attention block_k={self.block_k!r}: expected a power of two >= 16")
         if self.splits is not None and (not isinstance(self.splits, int) or self.splits < 1):
             raise ValueError(f"decode attention splits={self.splits!r}: expected None or an integer >= 1")
-        if self.heads not in ("auto", "kv", "row"):
-            raise ValueError(f"decode attention heads={self.heads!r}: expected 'auto', 'kv' or 'row'")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -51,18 +51,3 @@ def test_rollout_sweep_times_every_recipe(tmp_path):
 
     with gzip.open(tmp_path / "decode_step_quads_B4.hlo.txt.gz", "rt") as f:  # the profiled executable's HLO
         assert "HloModule" in f.read(2000)
-
-
-def test_rollout_recipes_carry_kernel_variants():
-    """``--recipes quads+kv_attention``: the recipe with only the variant's KernelConfig fields
-    replaced; an unknown variant is refused by name."""
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
-    import bench_rollout
-
-    from quads_jax import precision as P
-
-    base, kv = P.rollout_recipe("quads"), bench_rollout.rollout_precision("quads+kv_attention")
-    assert kv.kernels.decode_attention_tiles.heads == "kv" and base.kernels.decode_attention_tiles.heads == "auto"
-    assert kv.kernels.grouped_tiles == base.kernels.grouped_tiles and kv.rac_ratio == base.rac_ratio
-    with pytest.raises(ValueError, match="unknown kernel variant 'fast'"):
-        bench_rollout.rollout_precision("quads+fast")

@@ -213,12 +213,12 @@ def test_config_errors_name_the_field():
         pk.KernelConfig(attention="flash")
     with pytest.raises(ValueError, match="unknown keys"):
         pk.KernelConfig.from_dict({"grouped": "xla", "tiles": 3})
-    kc = pk.KernelConfig.from_dict({"decode_attention_tiles": {"heads": "row", "splits": 2}})  # as a job's YAML gives it
-    assert kc.decode_attention_tiles == pk.DecodeAttentionConfig(heads="row", splits=2)
+    kc = pk.KernelConfig.from_dict({"decode_attention_tiles": {"block_k": 32, "splits": 2}})  # as a job's YAML gives it
+    assert kc.decode_attention_tiles == pk.DecodeAttentionConfig(block_k=32, splits=2)
     with pytest.raises(ValueError, match="kernels.decode_attention_tiles"):
         pk.KernelConfig(decode_attention_tiles=64)
-    with pytest.raises(ValueError, match="heads="):
-        pk.KernelConfig.from_dict({"decode_attention_tiles": {"heads": "all"}})
+    with pytest.raises(ValueError, match="block_k="):
+        pk.KernelConfig.from_dict({"decode_attention_tiles": {"block_k": 48}})
 
 
 def _dot_operand_dtypes(jaxpr):
