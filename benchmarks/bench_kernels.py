@@ -105,7 +105,8 @@ def quant_cases(tiny: bool):
     # (256, 14336): rows of 896 blocks (an 8B-class MLP's down projection), past RANK_MAX_BLOCKS:
     # split ranks them by a sort; the in-kernel all-pairs counts (rank, energies) are not tried there.
     # (64, 768): Qwen3-30B-A3B's expert down projection, 48 blocks a row (energies pads them to 64)
-    for t, k in ((8, 256),) if tiny else ((256, 1024), (256, 2048), (64, 1024), (2048, 512), (256, 14336), (64, 768)):
+    # (512, 512): the bench model's down projection in a batch-64 decode step (64 tokens x top-8)
+    for t, k in ((8, 256),) if tiny else ((256, 1024), (256, 2048), (64, 1024), (2048, 512), (512, 512), (256, 14336), (64, 768)):
         # heavy-tailed channels, as activations are: per-channel magnitudes spread over e^(+-2)
         x = jnp.asarray(rng.standard_normal((t, k)) * np.exp(rng.standard_normal(k)), jnp.bfloat16)
         base = pk.quant_config(t, k)
@@ -121,17 +122,17 @@ def quant_cases(tiny: bool):
                 variants["one program a row"] = dataclasses.replace(base, parts=1)
                 if base.chunk > 256 and k // 16 <= pk.RANK_MAX_BLOCKS:
                     variants["one program a row, chunk 256"] = dataclasses.replace(base, parts=1, chunk=256, select="rank")
-            # smaller chunks at the default layout (warps as quant_config gives them: 16 with
-            # 256-channel chunks), and the in-kernel rank with them: one launch for RAC
+            # smaller chunks at the default layout (warps as quant_config gives them: 4 with
+            # 256-channel chunks of a part row), and the in-kernel rank with them: one launch for RAC
             for c in (256, 512):
                 if c < base.chunk and rho < 1:
-                    variants[f"chunk {c}"] = dataclasses.replace(base, chunk=c, num_warps=8 if c >= 512 else 16)
+                    variants[f"chunk {c}"] = dataclasses.replace(base, chunk=c, num_warps=8 if c >= 512 else 4)
                     if rho == 0.5 and k // 16 <= pk.RANK_MAX_BLOCKS and base.select != "rank":
                         variants[f"select rank, chunk {c}"] = dataclasses.replace(variants[f"chunk {c}"], select="rank")
             if rho == 0.5:  # the other selection and warp counts
                 variants.update({f"select {s}": dataclasses.replace(base, select=s) for s in ("rank", "split", "energies")
                                  if s != base.select and (s == "split" or k // 16 <= pk.RANK_MAX_BLOCKS)})
-            if rho == 0.5 or (rho == 0 and base.chunk <= 256):  # 256-channel chunks: 4 warps was 3.7x slower (T64 K768)
+            if rho == 0.5 or (rho == 0 and base.chunk <= 256):  # 256-channel chunks: warps mattered 4.8x (T64 K768)
                 variants.update({f"{w} warps": dataclasses.replace(base, num_warps=w) for w in (4, 8, 16) if w != base.num_warps})
             for name, c in variants.items():
                 fn = lambda v, c=c, rho=rho: pk.quantize_operand(v, rac_ratio=rho, order=order, backend="pallas", config=c)

@@ -112,12 +112,14 @@ def quant_config(t: int, k: int, num_sms: int | None = None) -> QuantConfig:
     chunk = 1024
     while (k // parts) % chunk:
         chunk //= 2
-    # 8 warps from 512-channel chunks (a parity half of 256 values: one a thread); 256-channel
-    # chunks (K = 768: Qwen3-30B-A3B's down projection) take 16: with 4 its RAC was 3.7x slower
-    # on an H100 (40.8 against 11.0 us at T=64, 2026-12-07-h100-rows)
+    # 8 warps from 512-channel chunks (a parity half of 256 values: one a thread), and where a
+    # program owns a whole row of 256-channel chunks (K = 768: Qwen3-30B-A3B's down projection):
+    # with 4 its RAC was 4.8x slower on an H100 (40.8 against 8.5 us at T=64; 16 warps 11.1),
+    # but 16 warps on the half rows of K = 512 slowed the rollout's down projection
+    # (2026-12-07-h100-rows)
     blocks = k // 16
     select = "split" if blocks > RANK_MAX_BLOCKS else "energies" if t < 1024 else "rank"
-    warps = 8 if chunk >= 512 else 16 if chunk == 256 else 4
+    warps = 8 if chunk >= 512 or (chunk == 256 and parts == 1) else 4
     return QuantConfig(block_rows=block_rows, chunk=chunk, num_warps=warps, parts=parts, select=select)
 
 
