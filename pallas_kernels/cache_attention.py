@@ -10,7 +10,7 @@ reads, scores and masks the whole cache). All H query heads of the row are one M
 (padded to a power of two >= 16 rows where H is not one): each key block's scores are
 H x block_k products against every KV head, each query row keeping its own head's (GQA).
 On an H100 this beat a program per KV head, whose G query heads were padded to 16 rows
-(11.9 against 13.3 us at B=64, 41.6 against 51.2 at B=256: 2026-12-07-h100-rows).
+(11.9 against 13.3 us at B=64, 41.6 against 51.2 at B=256: 2026-12-06-h100-rows).
 
 ``DecodeAttentionConfig.splits`` > 1 cuts each row's live keys into that many parts, whose
 partial softmax results (unnormalised output, max, sum) are merged afterwards

@@ -98,10 +98,11 @@ def quant_config(t: int, k: int, num_sms: int | None = None) -> QuantConfig:
     Rows of K >= 512 channels take at least two programs each (``parts``), and decode sizes
     (few tokens) split further until about one wave runs (T=16: 8 parts, T=64: 2); 1024 tokens
     and more take two rows a program, and whole rows where K <= 512.
-    RAC's selection: below 1024 tokens ``select="energies"`` (one launch fewer than split,
-    no whole-row pass in the quantizer), from 1024 tokens the in-kernel rank. Rows of more
-    than RANK_MAX_BLOCKS blocks take split at any size: the in-kernel counts grow with the
-    square of the blocks, split's XLA ranking sorts such rows."""
+    RAC's selection: the in-kernel rank (one launch) from 1024 tokens and wherever a program
+    owns its whole row (K = 768: 5.2 against 8.4 us at T=64 on an H100); otherwise
+    ``select="energies"`` (one launch fewer than split, no whole-row pass in the quantizer).
+    Rows of more than RANK_MAX_BLOCKS blocks take split at any size: the in-kernel counts grow
+    with the square of the blocks, split's XLA ranking sorts such rows."""
     num_sms = num_sms or device_sms()
     block_rows = 1 if t < 1024 else 2
     programs = -(-t // block_rows)
@@ -116,9 +117,9 @@ def quant_config(t: int, k: int, num_sms: int | None = None) -> QuantConfig:
     # program owns a whole row of 256-channel chunks (K = 768: Qwen3-30B-A3B's down projection):
     # with 4 its RAC was 4.8x slower on an H100 (40.8 against 8.5 us at T=64; 16 warps 11.1),
     # but 16 warps on the half rows of K = 512 slowed the rollout's down projection
-    # (2026-12-07-h100-rows)
+    # (2026-12-06-h100-rows)
     blocks = k // 16
-    select = "split" if blocks > RANK_MAX_BLOCKS else "energies" if t < 1024 else "rank"
+    select = "split" if blocks > RANK_MAX_BLOCKS else "rank" if t >= 1024 or parts == 1 else "energies"
     warps = 8 if chunk >= 512 or (chunk == 256 and parts == 1) else 4
     return QuantConfig(block_rows=block_rows, chunk=chunk, num_warps=warps, parts=parts, select=select)
 

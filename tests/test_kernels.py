@@ -523,13 +523,15 @@ def test_split_selection_with_two_rows_a_program_and_padded_rows(rng):
             assert_operand_equal(x, rho, cfg, order=("words", 128), rows=16)
 
 
-def test_energies_selection_of_rows_of_any_block_count(rng):
+def test_selections_of_rows_of_any_block_count(rng):
     """``select="energies"`` with a block count that is not a power of two (48 and 24 blocks: the
-    first kernel pads each row's energies to 64 / 32 with -1.0, which no real energy is below):
-    the reference's bits with ties across the boundary and an all-zero row, one and several
-    programs a row, T not a multiple of the row tile."""
+    first kernel pads each row's energies to 64 / 32 with -1.0, which no real energy is below),
+    and the in-kernel rank over 48 blocks (quant_config's choice at K = 768): the reference's bits
+    with ties across the boundary and an all-zero row, one and several programs a row, T not a
+    multiple of the row tile."""
     for t, k, cfg, rho in ((5, 768, pk.QuantConfig(chunk=256, select="energies"), 0.5),
-                           (9, 384, pk.QuantConfig(block_rows=2, chunk=64, parts=2, select="energies"), 0.25)):
+                           (9, 384, pk.QuantConfig(block_rows=2, chunk=64, parts=2, select="energies"), 0.25),
+                           (5, 768, pk.quant_config(64, 768), 0.5)):
         x = heavy(rng, (t, k))
         blocks = x.reshape(t, k // 16, 16)
         blocks[1] = blocks[1, :1]  # all tie: every block selected
@@ -568,10 +570,11 @@ def test_quant_config_splits_rows_at_decode_sizes():
     assert [quant_config(t, 4096).parts for t in (1, 16, 64, 128, 4096)] == [16, 8, 2, 2, 2]
     assert quant_config(256, 512).parts == 2 and quant_config(256, 768).parts == 1  # two a row where K allows it
     assert quant_config(2048, 512).parts == 1 and quant_config(2048, 1024).parts == 2  # two-token programs: whole rows to 512
-    # RAC's selection: the first kernel's energies ranked in the quantizer below 1024 tokens (any
-    # block count: 768 channels are 48), ranked in the kernel from 1024, by XLA (split) past RANK_MAX_BLOCKS
-    assert [quant_config(t, k).select for t, k in ((16, 4096), (256, 1024), (2048, 512), (2048, 8192), (16, 768), (64, 8192))] == [
-        "energies", "energies", "rank", "split", "energies", "split"]
+    # RAC's selection: ranked in the kernel from 1024 tokens and where a program owns its whole
+    # row (768 channels: 48 blocks), else the first kernel's energies ranked in the quantizer,
+    # by XLA (split) past RANK_MAX_BLOCKS
+    assert [quant_config(t, k).select for t, k in ((16, 4096), (256, 1024), (2048, 512), (2048, 8192), (16, 768), (64, 8192),
+                                                   (512, 512))] == ["energies", "energies", "rank", "split", "rank", "split", "energies"]
     assert quant_config(16, 2048).parts == 8 and quant_config(16, 1024).parts == 4  # each part owns >= 256 channels
     for t, k in ((1, 4096), (16, 4096), (64, 1024), (16, 768), (4096, 4096)):
         cfg = quant_config(t, k)
