@@ -313,7 +313,7 @@ def test_countdown_reward_never_evaluates_model_text():
 # ----------------------------------------------------------------------------- load
 
 
-@pytest.mark.parametrize("n", [300, pytest.param(1000, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("n", [200, pytest.param(1000, marks=pytest.mark.slow)])
 def test_mixed_load_with_weight_updates(served, n):
     """Mixed requests from 64 clients, weight updates interleaved: no connection error, no
     server error, and every answer comes from a version that was live while it ran (the

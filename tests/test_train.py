@@ -54,7 +54,9 @@ def test_training_lowers_loss_on_a_fixed_batch():
     assert int(state.step) == 15
 
 
-@pytest.mark.parametrize("mesh_shape", [{"data": 8}, {"data": 2, "fsdp": 2, "tensor": 2}, {"fsdp": 4, "expert": 2}])
+# pure data parallelism is a special case of the two mixed meshes: with -m slow
+@pytest.mark.parametrize("mesh_shape", [pytest.param({"data": 8}, marks=pytest.mark.slow), {"data": 2, "fsdp": 2, "tensor": 2},
+                                        {"fsdp": 4, "expert": 2}])
 def test_sharded_step_equals_single_device(mesh_shape):
     g, params, axes, tx = setup()
     b = batch(2)
@@ -171,7 +173,8 @@ def test_mesh_errors():
 # ----------------------------------------------------------------------------- expert parallelism
 
 
-@pytest.mark.parametrize("mesh_shape", [{"expert": 8}, {"data": 2, "expert": 4}, {"fsdp": 2, "expert": 2, "data": 2}])
+@pytest.mark.parametrize("mesh_shape", [pytest.param({"expert": 8}, marks=pytest.mark.slow), {"data": 2, "expert": 4},
+                                        {"fsdp": 2, "expert": 2, "data": 2}])
 def test_expert_parallel_moe_equals_dense(mesh_shape):
     from quads_jax import precision as P
     from quads_jax.model import moe as M
