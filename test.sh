@@ -3,7 +3,7 @@
 #   ./test.sh            all tests
 #   ./test.sh -k nvfp4   any pytest arguments
 # Two worker processes by default (pytest-xdist; each test runs in one of them; an idle worker
-# takes tests queued for the other, so the long tests do not leave one waiting at the end): about
+# takes tests queued for the other, so the long tests do not leave one waiting at the end):
 # 14-17 minutes on a 2-core CPU where one process took 21. `-n 0` runs in this process, `-n N` in N.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
