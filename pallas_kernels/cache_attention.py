@@ -74,6 +74,7 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, block_k, split
     hp, d = q.shape
     cols = jnp.arange(block_k)
     head_of = jnp.arange(hp) // group  # each query row's KV head (padding rows: none of them)
+    mine = [(head_of == j)[:, None] for j in range(len(heads))]  # the rows of KV head j, once a program
 
     def body(i, carry):
         acc, m, l = carry
@@ -83,17 +84,16 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, block_k, split
         ok = jnp.broadcast_to((idx < seq)[:, None], (block_k, d))
         kv = [(plgpu.load(k_ref.at[b, pl.ds(start, block_k), h, :], mask=ok, other=0.0),  # [bk, D] each
                plgpu.load(v_ref.at[b, pl.ds(start, block_k), h, :], mask=ok, other=0.0)) for h in heads]
-        mine = lambda j: (head_of == j)[:, None]
         sc = None
         for j, (kt, _) in enumerate(kv):
             sj = _dot(q, kt.astype(q.dtype), 1)  # [rows, bk] FP32
-            sc = sj if len(kv) == 1 else jnp.where(mine(j), sj, 0.0 if sc is None else sc)
+            sc = sj if len(kv) == 1 else jnp.where(mine[j], sj, 0.0 if sc is None else sc)
         sc = jnp.where(live[None, :], sc * scale, _NEG)
         m_new = jnp.maximum(m, jnp.max(sc, axis=1))
         p = jnp.exp(sc - m_new[:, None]) * live[None, :].astype(jnp.float32)
         corr = jnp.exp(m - m_new)
         for j, (_, vt) in enumerate(kv):
-            pj = p if len(kv) == 1 else jnp.where(mine(j), p, 0.0)
+            pj = p if len(kv) == 1 else jnp.where(mine[j], p, 0.0)
             acc = (acc * corr[:, None] if j == 0 else acc) + _dot(pj.astype(vt.dtype), vt, 0)
         return acc, m_new, l * corr + jnp.sum(p, axis=1)
 

@@ -175,8 +175,8 @@ def test_grouped_dot_of_stored_kn_weights_equals_the_reference(rng):
                                                      (16, 2, 64, 200, 2, 64), (16, 4, 32, 70, 1, 32), (32, 4, 64, 40, 3, 16),
                                                      (16, 2, 64, 200, None, 64), (24, 4, 32, 70, 2, 32)])
 def test_decode_attention_pallas_equals_xla(rng, h, hkv, d, s, splits, block_k):
-    """The live-key decode kernel (interpreted; a program per KV head or per row) against the
-    reference over the whole cache: rows of every length, 0 (zeros out) and the full cache
+    """The live-key decode kernel (interpreted; query heads padded to 16 or a power of two where
+    H is not one) against the reference over the whole cache: rows of every length, 0 (zeros out) and the full cache
     included; the output rounds once to BF16, so the tolerance is one BF16 ulp of the outputs."""
     b = 5
     q = jnp.asarray(rng.standard_normal((b, h, d)), jnp.bfloat16)
@@ -199,7 +199,10 @@ def test_decode_attention_pallas_equals_xla(rng, h, hkv, d, s, splits, block_k):
         pk.DecodeAttentionConfig(block_k=24)
     with pytest.raises(ValueError, match="splits="):
         pk.DecodeAttentionConfig(splits=0)
-    # splits aim at one wave of the SMs: one a row at B=256 on 132 SMs, three at B=64
+
+
+def test_decode_attention_splits_aim_at_one_wave():
+    # one split a row at B=256 on 132 SMs, three at B=64, at most 8
     assert [CA.splits_for(b, programs=132) for b in (256, 64, 16, 1)] == [1, 3, 8, 8]
 
 
@@ -507,10 +510,11 @@ def test_quantizer_row_split_is_bit_identical(rng):
     blocks = x.reshape(11, 32, 16)
     blocks[2, 6:10] = blocks[2, 0]  # a tie spanning parts (16-channel blocks 6..9 cross channel 128)
     x = jnp.asarray(blocks.reshape(11, 512)).astype(jnp.bfloat16).at[4].set(0.0)  # and an all-zero token
-    for parts, chunk, select in ((2, 128, "rank"), (4, 64, "energies"), (2, 64, "rank"), (8, 64, "rank"), (4, 64, "split")):
-        cfg = pk.QuantConfig(chunk=chunk, parts=parts, select=select)
-        for rho in (0.25,) if select != "rank" or parts == 2 and chunk == 64 else (0.0, 0.25):  # rho 0 does not select
-            assert_operand_equal(x, rho, cfg, order=("words", 128))
+    # rho 0 selects nothing, so it runs at two of the splits only
+    for parts, chunk, select, rhos in ((2, 128, "rank", (0.0, 0.25)), (4, 64, "energies", (0.25,)), (2, 64, "rank", (0.25,)),
+                                       (8, 64, "rank", (0.0, 0.25)), (4, 64, "split", (0.25,))):
+        for rho in rhos:
+            assert_operand_equal(x, rho, pk.QuantConfig(chunk=chunk, parts=parts, select=select), order=("words", 128))
 
 
 def test_split_selection_with_two_rows_a_program_and_padded_rows(rng):
@@ -518,10 +522,11 @@ def test_split_selection_with_two_rows_a_program_and_padded_rows(rng):
     the quantizer) with two token rows a program, an odd T and operand rows padded past T: the
     reference's bits, rho 0 / 0.5 / 1."""
     x = jnp.asarray(heavy(rng, (11, 256))).astype(jnp.bfloat16)
-    for i, cfg in enumerate((pk.QuantConfig(block_rows=2, chunk=64, parts=2, select="split"),
-                             pk.QuantConfig(block_rows=2, chunk=128, select="split"),
-                             pk.QuantConfig(block_rows=2, chunk=64, parts=2, select="energies"))):
-        for rho in (0.5, (1.0, 0.0)[i % 2]) if i < 2 else (0.5,):  # rho 1 and 0 rank nothing: once each
+    # rho 1 and 0 rank nothing: once each
+    for cfg, rhos in ((pk.QuantConfig(block_rows=2, chunk=64, parts=2, select="split"), (0.5, 1.0)),
+                      (pk.QuantConfig(block_rows=2, chunk=128, select="split"), (0.5, 0.0)),
+                      (pk.QuantConfig(block_rows=2, chunk=64, parts=2, select="energies"), (0.5,))):
+        for rho in rhos:
             assert_operand_equal(x, rho, cfg, order=("words", 128), rows=16)
 
 
