@@ -48,7 +48,7 @@ from pallas_kernels.tiling import GemmConfig, gemm_config  # noqa: F401  (re-exp
 from pallas_kernels.config import interpret_mode, resolve_backend
 from pallas_kernels import rac
 from pallas_kernels.quantizer import QuantizedRows, quantize_activations_rac, quantize_operand
-from pallas_kernels.tile_math import decode_tile, decode_words, load_even_odd, mma_acc, pad_axis, to_word_parts_order  # noqa: F401
+from pallas_kernels.tile_math import decode_tile, decode_words, load_even_odd, mma_acc, pad_axis, rows_at, to_word_parts_order  # noqa: F401
 
 MODES = ("w4a4", "w4a16")
 
@@ -77,7 +77,8 @@ def gemm_tile_loop(*, kt_start, steps, cfg, load_a, load_w):
 
 
 def make_loaders(*, x_ref, wc_ref, ws_ref, act_sl, act_ok, col_sl, col_ok, cfg, interpret, w_index=()):
-    """Tile loaders for the activation rows ``act_sl`` of ``x_ref`` (BF16 values, or RAC's
+    """Tile loaders for the activation rows ``act_sl`` (a slice, or an index array: a gather)
+    of ``x_ref`` (BF16 values, or RAC's
     FP16 compensated values) and the weight codes. Each returns the tile's channels in parts,
     the same parts for both operands: the even and odd channels, or with ``decode="words"``
     the eight word parts (``tile_math.WORD_CHANNELS``; activation values then come in that
@@ -98,7 +99,7 @@ def make_loaders(*, x_ref, wc_ref, ws_ref, act_sl, act_ok, col_sl, col_ok, cfg, 
 
     def load_a(kt):
         if words:  # laid out in word-part order by token_operand: contiguous slices
-            return tuple(plgpu.load(x_ref.at[act_sl, pl.ds(kt * bk + p * (bk // 8), bk // 8)], mask=act_ok, other=0.0)
+            return tuple(plgpu.load(rows_at(x_ref, act_sl, pl.ds(kt * bk + p * (bk // 8), bk // 8)), mask=act_ok, other=0.0)
                          for p in range(8))
         return load_even_odd(x_ref, act_sl, kt * bk, bk, act_ok, interpret, other=0.0)
 
@@ -133,6 +134,7 @@ def token_operand(x, order, *, mode, rac_ratio, quant_config):
         v = x.astype(jnp.bfloat16)
         return (v if order[0] == "plain" else to_word_parts_order(v, order[1])), None
     if isinstance(x, QuantizedRows):
+        x = x.gathered()
         return (x.a if x.order == tuple(order) else x.plain()), x.gx
     return quantize_operand(x, rac_ratio=rac_ratio, order=order, backend="pallas", config=quant_config)
 
@@ -165,22 +167,26 @@ def _gemm_kernel(x_ref, gx_ref, w_refs, *out_refs, t, ns, k, cfg, interpret):
     for_each_weight(pl.program_id(1), ns, cfg.block_n, tile)
 
 
-def output_tile(*, x_ref, gx_ref, w_refs, out_ref, n, jn, row_start, row_end, sk, k, cfg, interpret, expert=None):
+def output_tile(*, x_ref, gx_ref, w_refs, out_ref, n, jn, row_start, row_end, sk, k, cfg, interpret, expert=None,
+                src_rows=None):
     """One program's output tile: token rows [row_start, row_start + block_m) (those below
     ``row_end`` real) x N tile ``jn`` of one weight (``w_refs``: codes, scales, global
     scales; ``expert`` indexes stacked expert weights), over this program's share of K
-    (split ``sk``), stored to ``out_ref`` (FP32 partials when split)."""
+    (split ``sk``), stored to ``out_ref`` (FP32 partials when split). ``src_rows`` [block_m]:
+    the rows of ``x_ref`` and ``gx_ref`` that the output rows read (a gather in the loads),
+    None: the output rows themselves."""
     wc_ref, ws_ref, gw_ref = w_refs
     bm, bn = cfg.block_m, cfg.block_n
     row_sl = pl.ds(row_start, bm)
+    act_sl = row_sl if src_rows is None else src_rows
     row_ok = (row_start + jnp.arange(bm) < row_end)[:, None]
     col_sl = pl.ds(jn * bn, bn)
     col_ok = (jn * bn + jnp.arange(bn) < n)[:, None]
-    load_a, load_w = make_loaders(x_ref=x_ref, wc_ref=wc_ref, ws_ref=ws_ref, act_sl=row_sl, act_ok=row_ok, col_sl=col_sl,
+    load_a, load_w = make_loaders(x_ref=x_ref, wc_ref=wc_ref, ws_ref=ws_ref, act_sl=act_sl, act_ok=row_ok, col_sl=col_sl,
                                   col_ok=col_ok, cfg=cfg, interpret=interpret, w_index=() if expert is None else (expert,))
     steps = k // (cfg.block_k * cfg.split_k)
     acc = gemm_tile_loop(kt_start=sk * steps, steps=steps, cfg=cfg, load_a=load_a, load_w=load_w)
-    out = epilogue(acc, gx_ref, row_sl, row_ok, gw_ref[0 if expert is None else expert])
+    out = epilogue(acc, gx_ref, act_sl, row_ok, gw_ref[0 if expert is None else expert])
     out_mask = row_ok & (jn * bn + jnp.arange(bn) < n)[None, :]
     if cfg.split_k == 1:
         plgpu.store(out_ref.at[row_sl, col_sl], out.astype(out_ref.dtype), mask=out_mask)
@@ -188,11 +194,11 @@ def output_tile(*, x_ref, gx_ref, w_refs, out_ref, n, jn, row_start, row_end, sk
         plgpu.store(out_ref.at[sk, row_sl, col_sl], out, mask=out_mask)
 
 
-def epilogue(acc, gx_ref, row_sl, row_ok, gw):
+def epilogue(acc, gx_ref, act_sl, row_ok, gw):
     """gw * gx * acc (w4a16: gw * acc); RAC's residual share is in acc already."""
     if gx_ref is None:  # w4a16
         return acc * gw
-    gx = plgpu.load(gx_ref.at[row_sl, :], mask=row_ok, other=0.0)  # [bm, 1]
+    gx = plgpu.load(rows_at(gx_ref, act_sl, pl.ds(0, 1)), mask=row_ok, other=0.0)  # [bm, 1]
     return acc * gx * gw
 
 
@@ -285,7 +291,7 @@ def reference_product(dot, x, wv, *, mode, rac_ratio, rac_mode, rac_sum, act_sca
     if mode == "w4a16":
         return dot(x.astype(jnp.bfloat16), wv)
     if isinstance(x, QuantizedRows):
-        return dot(x.plain(), wv.astype(jnp.float16)) * x.gx
+        return dot(x.plain(), wv.astype(jnp.float16)) * x.gathered().gx
     xq, rq = quantize_activations_rac(x, rac_ratio=rac_ratio, rac_mode=rac_mode, act_scale=act_scale)
     if rq is not None and rac_sum == "fp16":
         return dot(rac.compensated_values(xq, rq), wv.astype(jnp.float16)) * xq.global_scale

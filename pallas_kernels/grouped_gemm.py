@@ -14,6 +14,7 @@ weights that read the same rows (gate and up) share one launch, as in the dense 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -76,16 +77,21 @@ def work_items(group_sizes, m: int, block_m: int):
     return jnp.stack([ex, start, end], axis=1).astype(jnp.int32), cap
 
 
-def _grouped_kernel(items_ref, x_ref, gx_ref, w_refs, *out_refs, ns, k, cfg, interpret):
-    """``items_ref``: (expert, row_start, row_end) per work item; the rest as ``_gemm_kernel``."""
+def _grouped_kernel(items_ref, src_ref, x_ref, gx_ref, w_refs, *out_refs, ns, k, cfg, interpret):
+    """``items_ref``: (expert, row_start, row_end) per work item; ``src_ref`` [M]: the row of
+    ``x_ref`` each sorted row reads (None: x's rows are sorted already); the rest as
+    ``_gemm_kernel``."""
     it, jn_all, sk = pl.program_id(0), pl.program_id(1), pl.program_id(2)  # read outside conditionals (interpret mode)
     ex = items_ref[it, 0]
     start = items_ref[it, 1]
     end = items_ref[it, 2]
+    src = None
+    if src_ref is not None:
+        src = plgpu.load(src_ref.at[pl.ds(start, cfg.block_m)], mask=start + jnp.arange(cfg.block_m) < end, other=0)
 
     def tile(i, jn):
         output_tile(x_ref=x_ref, gx_ref=gx_ref, w_refs=w_refs[i], out_ref=out_refs[i], n=ns[i], jn=jn, row_start=start,
-                    row_end=end, sk=sk, k=k, cfg=cfg, interpret=interpret, expert=ex)
+                    row_end=end, sk=sk, k=k, cfg=cfg, interpret=interpret, expert=ex, src_rows=src)
 
     @pl.when(end > start)
     def _():
@@ -93,27 +99,31 @@ def _grouped_kernel(items_ref, x_ref, gx_ref, w_refs, *out_refs, ns, k, cfg, int
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "out_dtype", "interpret"))
-def _grouped_call(a, gx, wc, ws, gw, group_sizes, *, cfg, out_dtype, interpret):
+def _grouped_call(a, gx, src, wc, ws, gw, group_sizes, *, cfg, out_dtype, interpret):
     """One launch for the expert weights (tuples ``wc``, ``ws``, ``gw``, one entry a weight
-    [E, N_i, K]) that share the rows of the token operand ``a``: a tuple of [M, N_i] outputs."""
-    m_real = a.shape[0]
+    [E, N_i, K]) that share the rows of the token operand ``a`` (sorted by expert, or read
+    through ``src`` [M], the token row of each sorted row): a tuple of [M, N_i] outputs."""
+    m_real = a.shape[0] if src is None else src.shape[0]
     k = ws[0].shape[-1] * 16
     ns = tuple(c.shape[1] for c in wc)
     wc = code_form(wc, cfg)
     items, cap = work_items(group_sizes, m_real, cfg.block_m)
     if interpret:  # interpret mode clamps out-of-range slices instead of masking them
         m_pad = m_real + cfg.block_m
-        a, gx = pad_axis(a, 0, m_pad), None if gx is None else pad_axis(gx, 0, m_pad)
+        if src is None:
+            a, gx = pad_axis(a, 0, m_pad), None if gx is None else pad_axis(gx, 0, m_pad)
+        else:
+            src = pad_axis(src, 0, m_pad)
         pad_n = lambda v: pad_axis(v, 1, pl.cdiv(v.shape[1], cfg.block_n) * cfg.block_n)
         wc, ws = tuple(map(pad_n, wc)), tuple(map(pad_n, ws))
     outs = pl.pallas_call(
         functools.partial(_grouped_kernel, ns=ns, k=k, cfg=cfg, interpret=interpret),
-        out_shape=out_shapes(a.shape[0], ns, cfg, out_dtype),
+        out_shape=out_shapes(a.shape[0] if src is None else src.shape[0], ns, cfg, out_dtype),
         grid=(cap, sum(pl.cdiv(n, cfg.block_n) for n in ns), cfg.split_k),
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
         name="nvfp4_grouped_matmul",
-    )(items, a, gx, tuple(zip(wc, ws, gw)))
+    )(items, src, a, gx, tuple(zip(wc, ws, gw)))
     # rows past sum(group_sizes) are never written: define them as zero
     valid = (jnp.arange(m_real) < jnp.sum(group_sizes))[:, None]
     return tuple(jnp.where(valid, reduce_split(o, cfg, out_dtype)[:m_real, :n], jnp.zeros((), out_dtype)) for o, n in zip(outs, ns))
@@ -169,10 +179,12 @@ def nvfp4_grouped_matmul(x, w, group_sizes, *, rac_ratio=0.0, rac_mode="token", 
     if cfg.path != "fused":
         raise ValueError(f"config: GemmConfig.path={cfg.path!r} is for the dense GEMM; the grouped GEMM is fused only "
                          "(backend='xla' runs lax.ragged_dot on the decoded values)")
+    src = None
     if isinstance(x, QuantizedRows):
         cfg = following(cfg, x.order, k)
+        src, x = x.rows, dataclasses.replace(x, rows=None)  # the kernel applies the rows' gather in its loads
     a, gx = token_operand(x, operand_order(cfg), mode=mode, rac_ratio=rac_ratio, quant_config=quant_config)
-    outs = _grouped_call(a, gx, tuple(wi.codes for wi in ws), tuple(_bits(wi.scales) for wi in ws),
+    outs = _grouped_call(a, gx, src, tuple(wi.codes for wi in ws), tuple(_bits(wi.scales) for wi in ws),
                          tuple(_per_expert_gw(wi) for wi in ws), group_sizes, cfg=cfg, out_dtype=out_dtype,
                          interpret=interpret_mode())
     return outs if many else outs[0]

@@ -405,28 +405,39 @@ class QuantizedRows:
     (``quantize_operand``). The NVFP4 GEMMs take one in place of x. With per-token scales a
     row's quantization does not depend on the other rows, so ``take`` (a row gather, e.g. the
     MoE dispatch) commutes with quantization: quantize the T tokens, not their T x top-k
-    copies."""
+    copies. ``rows`` (None: a's rows in order) holds such a gather unapplied: the grouped GEMM
+    reads its rows through the index inside the kernel, with no [T * top-k, K] copy; every
+    other consumer applies it first (``gathered``)."""
 
     a: jax.Array
     gx: jax.Array
     rac_ratio: float = dataclasses.field(metadata=dict(static=True))
     order: tuple = dataclasses.field(metadata=dict(static=True))
+    rows: jax.Array | None = None
 
     @property
     def shape(self):
-        return self.a.shape
+        return (self.a.shape[0] if self.rows is None else self.rows.shape[0], self.a.shape[1])
 
     @property
     def ndim(self):
         return 2
 
     def take(self, rows):
-        """The rows ``rows`` (an index array)."""
-        return QuantizedRows(self.a[rows], self.gx[rows], self.rac_ratio, self.order)
+        """The rows ``rows`` (an index array), gathered lazily (see the class docstring)."""
+        rows = jnp.asarray(rows, jnp.int32)
+        return dataclasses.replace(self, rows=rows if self.rows is None else self.rows[rows])
+
+    def gathered(self):
+        """The same rows with the gather applied: ``rows`` None."""
+        if self.rows is None:
+            return self
+        return QuantizedRows(self.a[self.rows], self.gx[self.rows], self.rac_ratio, self.order)
 
     def plain(self):
         """The operand in channel order (the reference's product reads it so)."""
-        return self.a if self.order[0] == "plain" else self.a[:, operand_columns(np.arange(self.a.shape[1]), self.order)]
+        a = self.gathered().a
+        return a if self.order[0] == "plain" else a[:, operand_columns(np.arange(a.shape[1]), self.order)]
 
 
 def quantize_rows(x, *, rac_ratio: float = 0.0, rac_mode: str = "token", order=None, backend=None,

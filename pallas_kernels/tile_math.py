@@ -78,15 +78,27 @@ def mma_acc(acc, a, b):
     return mma_acc_p.bind(acc, a, b)
 
 
+def rows_at(ref, rows, cols):
+    """``ref.at[rows, cols]`` for a column slice ``cols`` (``pl.ds``) and ``rows`` a slice or
+    an index array [r] (a gather of rows). With an index array both axes become index
+    arrays ([r, 1] and [1, w]): interpret mode loads no mix of the two, and the compiled
+    pointers are the same (a row offset plus the slice's range)."""
+    if isinstance(rows, pl.Slice):
+        return ref.at[rows, cols]
+    c = cols.start + cols.stride * jnp.arange(cols.size, dtype=jnp.int32)
+    return ref.at[rows[:, None], c[None, :]]
+
+
 def load_even_odd(ref, rows, start, width, mask, interpret, other=0):
     """The even and odd columns of ``ref[rows, start:start + width]`` ([r, width // 2]
-    each): the low and high nibbles of packed codes. Compiled: two stride-2 loads.
-    Interpret mode has no strided loads, so it de-interleaves a contiguous load."""
+    each; ``rows`` as ``rows_at``'s): the low and high nibbles of packed codes. Compiled:
+    two stride-2 loads. Interpret mode has no strided loads, so it de-interleaves a
+    contiguous load."""
     if not interpret:
-        even = plgpu.load(ref.at[rows, pl.ds(start, width // 2, stride=2)], mask=mask, other=other)
-        odd = plgpu.load(ref.at[rows, pl.ds(start + 1, width // 2, stride=2)], mask=mask, other=other)
+        even = plgpu.load(rows_at(ref, rows, pl.ds(start, width // 2, stride=2)), mask=mask, other=other)
+        odd = plgpu.load(rows_at(ref, rows, pl.ds(start + 1, width // 2, stride=2)), mask=mask, other=other)
         return even, odd
-    v = plgpu.load(ref.at[rows, pl.ds(start, width)], mask=mask, other=other)
+    v = plgpu.load(rows_at(ref, rows, pl.ds(start, width)), mask=mask, other=other)
     v = v.reshape(v.shape[0], width // 2, 2)
     return v[:, :, 0], v[:, :, 1]
 

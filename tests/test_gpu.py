@@ -124,6 +124,23 @@ def test_pallas_grouped_w4a4_equals_xla_with_each_decode(tokens, decode, rac):
     assert rel(a, b) < 2e-3, (int((sizes == 0).sum()), cfg)  # FP32 sums in another order, rounded to BF16
 
 
+@pytest.mark.parametrize("order", [("words", 128), ("plain", 16)])
+@pytest.mark.parametrize("tokens", [64, 256])
+def test_grouped_gemm_gathers_quantized_rows_in_its_loads(tokens, order):
+    """The MoE dispatch's operand: N tokens quantized once, taken by sorted assignment and
+    gathered inside the grouped kernel's loads; the same bits as the gathered operand."""
+    rng = np.random.default_rng()
+    e, n, k, topk = 64, 1024, 1024, 8
+    x = jnp.asarray(rng.standard_normal((tokens, k)), jnp.bfloat16)
+    ids = rng.integers(0, e, (tokens, topk))
+    token = jnp.asarray(np.argsort(ids.reshape(-1), kind="stable") // topk, jnp.int32)
+    gs = jnp.asarray(np.bincount(ids.reshape(-1), minlength=e), jnp.int32)
+    w = P.prepare_weight(jnp.asarray(rng.standard_normal((e, n, k)) * k**-0.5, jnp.float32), "w4a4")
+    lazy = pk.quantize_rows(x, rac_ratio=0.5, order=order, backend="pallas").take(token)
+    mm = lambda rows: pk.nvfp4_grouped_matmul(rows, w, gs, rac_ratio=0.5, act_scale="token", backend="pallas")
+    np.testing.assert_array_equal(np.asarray(mm(lazy)), np.asarray(mm(lazy.gathered())))
+
+
 def test_one_launch_over_weights_sharing_an_input_equals_xla():
     """q/k/v and gate/up: several NVFP4 weights in one Pallas launch, each equal to XLA's."""
     rng = np.random.default_rng()

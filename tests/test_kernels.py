@@ -443,8 +443,15 @@ def test_quantized_rows_gathered_equal_quantizing_the_gathered_rows(rng):
         want = P.grouped_linear(x[token], w, sizes, "w4a4", rac_ratio=0.5, backend=backend, dtype=jnp.float32)
         rows = P.take_rows(P.quantize_rows_for(x, w, "w4a4", rac_ratio=0.5, backend=backend), token)
         assert isinstance(rows, pk.QuantizedRows) and rows.shape == (n_tok * topk, k)
+        assert rows.rows is not None  # the gather is left to the grouped GEMM's loads
         got = P.grouped_linear(rows, w, sizes, "w4a4", rac_ratio=0.5, backend=backend, dtype=jnp.float32)
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=backend)
+        # a gather of a gather composes; the dense GEMM applies it before its kernel
+        twice = P.take_rows(P.take_rows(P.quantize_rows_for(x, w, "w4a4", rac_ratio=0.5, backend=backend), token), jnp.arange(4) * 3)
+        wd = nvfp4.quantize(jnp.asarray(rng.standard_normal((32, k)).astype(np.float32)))
+        np.testing.assert_array_equal(
+            np.asarray(pk.nvfp4_matmul(twice, wd, rac_ratio=0.5, act_scale="token", backend=backend)),
+            np.asarray(pk.nvfp4_matmul(x[token[jnp.arange(4) * 3]], wd, rac_ratio=0.5, act_scale="token", backend=backend)), err_msg=backend)
     wd = nvfp4.quantize(jnp.asarray(rng.standard_normal((32, k)).astype(np.float32)))
     dense = pk.nvfp4_matmul(pk.quantize_rows(x, rac_ratio=0.5, backend="xla"), wd, rac_ratio=0.5, act_scale="token", backend="xla")
     np.testing.assert_array_equal(np.asarray(dense), np.asarray(pk.nvfp4_matmul(x, wd, rac_ratio=0.5, act_scale="token", backend="xla")))
