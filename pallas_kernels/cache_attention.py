@@ -1,8 +1,14 @@
 """Decode attention over the live part of a KV cache: one new query token per row.
 
     o = decode_attention(q, k_cache, v_cache, lengths)   # q [B, H, D]; caches [B, S, Hkv, D]; lengths [B]
+    o, k_cache, v_cache = decode_attention(q, k_cache, v_cache, lengths, new=(k, v, active))
 
-Row b attends to its keys 0 .. lengths[b] - 1 (a row of length 0 gets zeros). The cache
+Row b attends to its keys 0 .. lengths[b] - 1 (a row of length 0 gets zeros). With ``new``
+(the step's keys and values k, v [B, Hkv, D] and ``active`` [B]) an active row also attends
+to its new key, and the kernel writes it to the caches at ``lengths[b]`` (the caches are
+aliased to the outputs: updated in place, no separate scatter launch a cache): a row's
+programs read only its keys below ``lengths[b]``, and the new key comes from the inputs, so
+the write races with no read. The cache
 stays in the engine's layout [B, S, Hkv, D], so nothing is copied or transposed per step.
 One program per (row, split) loops over the key blocks below the row's length only: the
 bytes a step reads grow with the live tokens, not with the cache's size (the XLA reference
@@ -61,9 +67,11 @@ def _dot(a, b, b_axis):
     return jax.lax.dot_general(a, b, (((1,), (b_axis,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def _kernel(len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, block_k, splits, scale, seq, group):
+def _kernel(len_ref, q_ref, k_ref, v_ref, new_refs, o_ref, m_ref, l_ref, *cache_out, block_k, splits, scale, seq, group):
     """One program: row b, split s, every KV head; q_ref holds the row's query heads, head j's
-    ``group`` rows at j * group (rows past H are padding)."""
+    ``group`` rows at j * group (rows past H are padding). ``new_refs``: None, or the new
+    keys, values [B, Hkv, D] and active flags [B], then ``cache_out`` are the caches (aliased):
+    the last split attends to the new key too, the first writes it."""
     b, s = pl.program_id(0), pl.program_id(1)
     heads = tuple(jnp.int32(j) for j in range(k_ref.shape[2]))  # arrays, as program ids are (interpret mode's loads)
     n = len_ref[b]
@@ -100,6 +108,28 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, block_k, split
     steps = pl.cdiv(jnp.maximum(hi - lo, 0), block_k)
     init = (jnp.zeros((hp, d), jnp.float32), jnp.full((hp,), _NEG, jnp.float32), jnp.zeros((hp,), jnp.float32))
     acc, m, l = jax.lax.fori_loop(0, steps, body, init)
+    if new_refs is not None:
+        kn_ref, vn_ref, act_ref = new_refs
+        pos = n
+        act = (act_ref[b] != 0) & (pos < seq)  # a full row's cache takes no write, so no new key
+        # each query row's KV head's new key and value ([Hp, D]; padding rows read head 0, unused)
+        at = lambda ref: ref.at[b, jnp.minimum(head_of, len(heads) - 1)[:, None], jnp.arange(d)[None, :]]
+        kq = plgpu.load(at(kn_ref)).astype(jnp.float32)
+        vq = plgpu.load(at(vn_ref)).astype(jnp.float32)
+        take = act & (s == splits - 1)
+        sc = jnp.sum(q.astype(jnp.float32) * kq, axis=1) * scale
+        m_new = jnp.where(take, jnp.maximum(m, sc), m)
+        p = jnp.where(take, jnp.exp(sc - m_new), 0.0)
+        corr = jnp.exp(m - m_new)
+        pv = p.astype(vn_ref.dtype).astype(jnp.float32)[:, None] * vq  # p rounded as the key loop's MMA operand
+        acc, m, l = acc * corr[:, None] + pv, m_new, l * corr + p
+        k_out, v_out = cache_out
+
+        @pl.when(act & (s == 0))
+        def _():
+            for j, h in enumerate(heads):
+                k_out[b, pos, h, :] = kn_ref[b, h, :]
+                v_out[b, pos, h, :] = vn_ref[b, h, :]
     if splits == 1:  # the whole row here: normalise and write the output
         o_ref[...] = (acc / jnp.maximum(l, 1e-30)[:, None]).astype(o_ref.dtype)
     else:
@@ -124,7 +154,7 @@ def _merge_splits(o, m, l, axis):
 
 
 @functools.partial(jax.jit, static_argnames=("config", "interpret"))
-def _call(q, k, v, lengths, *, config: DecodeAttentionConfig, interpret: bool):
+def _call(q, k, v, lengths, new, *, config: DecodeAttentionConfig, interpret: bool):
     b, h, d = q.shape
     seq, hkv = k.shape[1], k.shape[2]
     hp = max(_MIN_ROWS, pl.next_power_of_2(h))
@@ -137,33 +167,68 @@ def _call(q, k, v, lengths, *, config: DecodeAttentionConfig, interpret: bool):
     part = (b, splits, hp)
     out_shape = [jax.ShapeDtypeStruct(part + (d,), q.dtype if one else jnp.float32),
                  jax.ShapeDtypeStruct(part, jnp.float32), jax.ShapeDtypeStruct(part, jnp.float32)]
-    row = lambda i, s: (i, s, 0)
-    o, m, l = pl.pallas_call(
+    out_specs = [pl.BlockSpec((None, None, hp, d), lambda i, s: (i, s, 0, 0)), pl.BlockSpec((None, None, hp), row := lambda i, s: (i, s, 0)),
+                 pl.BlockSpec((None, None, hp), row)]
+    aliases = {}
+    if new is not None:  # the caches come back as outputs 3 and 4, written in place (inputs 2 and 3)
+        out_shape += [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
+        out_specs += [pl.no_block_spec, pl.no_block_spec]
+        aliases = {2: 3, 3: 4}
+        new = (new[0], new[1], new[2].astype(jnp.int32))
+    outs = pl.pallas_call(
         functools.partial(_kernel, block_k=config.block_k, splits=splits, scale=d**-0.5, seq=seq, group=h // hkv),
         out_shape=out_shape,
         grid=(b, splits),
-        in_specs=[pl.no_block_spec, pl.BlockSpec((None, hp, d), lambda i, s: (i, 0, 0)), pl.no_block_spec, pl.no_block_spec],
-        out_specs=[pl.BlockSpec((None, None, hp, d), lambda i, s: (i, s, 0, 0)), pl.BlockSpec((None, None, hp), row),
-                   pl.BlockSpec((None, None, hp), row)],
+        in_specs=[pl.no_block_spec, pl.BlockSpec((None, hp, d), lambda i, s: (i, 0, 0)), pl.no_block_spec, pl.no_block_spec,
+                  None if new is None else (pl.no_block_spec,) * 3],
+        out_specs=out_specs,
+        input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages),
         interpret=interpret,
         name="decode_attention",
-    )(lengths, q, k, v)
+    )(lengths, q, k, v, new)
+    o, m, l = outs[:3]
     o = _merge_splits(o, m, l, axis=1) if not one else o[:, 0]
-    return o[:, :h].astype(q.dtype)
+    o = o[:, :h].astype(q.dtype)
+    if new is None:
+        return o
+    return o, outs[3][:, :seq], outs[4][:, :seq]
 
 
-def decode_attention(q, k, v, lengths, *, impl: str = "pallas", config: DecodeAttentionConfig | None = None):
+def _append_xla(k, v, lengths, new):
+    """The caches with each active row's new key and value written at ``lengths`` (the
+    reference's write; inactive rows and rows whose cache is full are left as they were)."""
+    kn, vn, active = new
+    ok = active & (lengths < k.shape[1])
+    put = lambda c, x: jax.vmap(lambda cb, xb, pos, a: jnp.where(a, jax.lax.dynamic_update_slice_in_dim(cb, xb[None], pos, 0), cb))(
+        c, x.astype(c.dtype), lengths, ok)
+    return put(k, kn), put(v, vn), lengths + ok.astype(jnp.int32)
+
+
+def decode_attention(q, k, v, lengths, *, new=None, impl: str = "pallas", config: DecodeAttentionConfig | None = None):
     """Attention of one query token per row, q [B, H, D], over the first ``lengths[b]`` keys of
-    the caches k, v [B, S, Hkv, D]. ``impl``: "pallas" (interpreted off a GPU) or "xla"."""
+    the caches k, v [B, S, Hkv, D]. ``new``: None, or (k_new, v_new [B, Hkv, D], active [B]):
+    the step's keys, written at ``lengths[b]`` for the active rows and attended to; then the
+    return is (o, k, v) with the updated caches. ``impl``: "pallas" (interpreted off a GPU)
+    or "xla"."""
     if q.ndim != 3 or k.ndim != 4 or k.shape != v.shape or k.shape[0] != q.shape[0] or k.shape[3] != q.shape[2] \
             or q.shape[1] % k.shape[2]:
         raise ValueError(f"q, k, v: expected [B, H, D] and [B, S, Hkv, D] with H % Hkv == 0, got {q.shape}, {k.shape}, {v.shape}")
     if lengths.shape != (q.shape[0],):
         raise ValueError(f"lengths: expected shape ({q.shape[0]},), got {lengths.shape}")
+    if new is not None:
+        kn, vn, active = new
+        want = (k.shape[0], k.shape[2], k.shape[3])
+        if kn.shape != want or vn.shape != want or active.shape != (k.shape[0],):
+            raise ValueError(f"new: expected keys and values {want} and active ({k.shape[0]},), got {kn.shape}, {vn.shape}, "
+                             f"{active.shape}")
+        new = (kn.astype(k.dtype), vn.astype(v.dtype), active.astype(bool))
     lengths = jnp.minimum(lengths.astype(jnp.int32), k.shape[1])
     if impl == "xla":
-        return decode_attention_xla(q, k, v, lengths)
+        if new is None:
+            return decode_attention_xla(q, k, v, lengths)
+        k, v, live = _append_xla(k, v, lengths, new)
+        return decode_attention_xla(q, k, v, live), k, v
     if impl != "pallas":
         raise ValueError(f"impl={impl!r}: expected 'pallas' or 'xla'")
-    return _call(q, k, v, lengths, config=config or DecodeAttentionConfig(), interpret=interpret_mode())
+    return _call(q, k, v, lengths, new, config=config or DecodeAttentionConfig(), interpret=interpret_mode())

@@ -260,6 +260,16 @@ def test_decode_attention_kernel_equals_xla(b, s, splits, h):
     ref = pk.decode_attention(q, k, v, lengths, impl="xla")
     np.testing.assert_array_equal(np.asarray(out[0], np.float32), 0)
     assert rel(out, ref) < 1e-2
+    # the decode step's form: the kernel writes the new keys in place and attends to them
+    kn, vn = (jnp.asarray(rng.standard_normal((b, hkv, d)), jnp.bfloat16) for _ in range(2))
+    active = jnp.asarray(rng.random(b) < 0.8)
+    new = (kn, vn, active)
+    o2, k2, v2 = jax.jit(lambda q, k, v, n, new: pk.decode_attention(q, k, v, n, new=new,
+                                                                   config=pk.DecodeAttentionConfig(splits=splits)))(q, k, v, lengths, new)
+    ro, rk, rv = pk.decode_attention(q, k, v, lengths, new=new, impl="xla")
+    np.testing.assert_array_equal(np.asarray(k2), np.asarray(rk))
+    np.testing.assert_array_equal(np.asarray(v2), np.asarray(rv))
+    assert rel(o2, ro) < 1e-2
 
 
 @pytest.mark.parametrize("fp8", [False, True])

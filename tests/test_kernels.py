@@ -201,6 +201,35 @@ def test_decode_attention_pallas_equals_xla(rng, h, hkv, d, s, splits, block_k):
         pk.DecodeAttentionConfig(splits=0)
 
 
+@pytest.mark.parametrize("h,hkv,s,splits", [(8, 2, 40, 1), (16, 4, 70, 3), (24, 4, 40, 2)])
+def test_decode_attention_appends_the_new_key(rng, h, hkv, s, splits):
+    """With ``new``, the kernel writes each active row's key and value at its length (in
+    place) and attends to them: the caches equal the reference's write bit for bit (inactive
+    rows and full rows untouched), the outputs within a BF16 ulp of the reference."""
+    b, d = 6, 32
+    q = jnp.asarray(rng.standard_normal((b, h, d)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((b, s, hkv, d)), jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((b, s, hkv, d)), jnp.bfloat16)
+    kn = jnp.asarray(rng.standard_normal((b, hkv, d)), jnp.bfloat16)
+    vn = jnp.asarray(rng.standard_normal((b, hkv, d)), jnp.bfloat16)
+    lengths = jnp.asarray([0, 1, s, s - 1, *rng.integers(2, s - 1, 2)], jnp.int32)  # a full row: no write, no new key
+    active = jnp.asarray([True, True, True, True, False, True])
+    new = (kn, vn, active)
+    ro, rk, rv = pk.decode_attention(q, k, v, lengths, new=new, impl="xla")
+    o, k2, v2 = pk.decode_attention(q, k, v, lengths, new=new, config=pk.DecodeAttentionConfig(block_k=16, splits=splits))
+    np.testing.assert_array_equal(np.asarray(k2), np.asarray(rk))
+    np.testing.assert_array_equal(np.asarray(v2), np.asarray(rv))
+    np.testing.assert_array_equal(np.asarray(k2[4]), np.asarray(k[4]))  # inactive
+    np.testing.assert_array_equal(np.asarray(k2[0, 0]), np.asarray(kn[0]))  # written at its length
+    np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(ro, np.float32), atol=2 ** -7, rtol=2 ** -7)
+    # the same as writing first and attending over one more key
+    live = lengths + (active & (lengths < s)).astype(jnp.int32)
+    np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(pk.decode_attention(q, rk, rv, live, impl="xla"), np.float32),
+                               atol=2 ** -7, rtol=2 ** -7)
+    with pytest.raises(ValueError, match="new: expected"):
+        pk.decode_attention(q, k, v, lengths, new=(kn[:, :1], vn, active))
+
+
 def test_decode_attention_splits_aim_at_one_wave():
     # one split a row at B=256 on 132 SMs, three at B=64, at most 8
     assert [CA.splits_for(b, programs=132) for b in (256, 64, 16, 1)] == [1, 3, 8, 8]

@@ -114,7 +114,8 @@ class Attention(nnx.Module):
         With ``cache`` ({k, v} of this layer, ``start`` [B] and ``active`` [B]) the new keys/values
         of the active rows are written at ``start`` and attention runs over the cache: for one new
         token a row (a decode step, at position ``start``) through ``prec.kernels.decode_attention``,
-        which reads only the live keys; else the reference over the whole cache, masked. Without one, ``lengths``
+        whose kernel also does the write and reads only the live keys; else the reference over
+        the whole cache, masked. Without one, ``lengths``
         [B] says the rows are right-padded with positions 0..T-1, and attention runs through
         ``prec.kernels.attention`` (flash attention on a GPU). Returns (y, cache)."""
         cfg = self.cfg
@@ -130,18 +131,19 @@ class Attention(nnx.Module):
             o = pk.causal_attention(q, k, v, lengths, impl=prec.kernels.attention)
         elif cache is None:
             o = pk.attention_xla(q, k, v, (positions[:, None, :] <= positions[:, :, None]) & key_valid[:, None, :])
+        elif t == 1 and prec.kernels.resolved_decode_attention() == "pallas":
+            # a decode step: the kernel writes the new key and value in place and reads the live keys only
+            o, k_all, v_all = pk.decode_attention(q[:, 0], cache["k"], cache["v"], cache["start"],
+                                                  new=(k[:, 0], v[:, 0], cache["active"]), impl="pallas",
+                                                  config=prec.kernels.decode_attention_tiles)
+            o, cache = o[:, None], {"k": k_all, "v": v_all}
         else:
-            live = cache["start"] + cache["active"].astype(jnp.int32)  # keys in the cache after this write (T = 1)
             k_all = _write_rows(cache["k"], k.astype(cache["k"].dtype), cache["start"], cache["active"])
             v_all = _write_rows(cache["v"], v.astype(cache["v"].dtype), cache["start"], cache["active"])
             cache = {"k": k_all, "v": v_all}
-            if t == 1 and prec.kernels.resolved_decode_attention() == "pallas":  # a decode step: the live keys only
-                o = pk.decode_attention(q[:, 0], k_all, v_all, live, impl="pallas",
-                                        config=prec.kernels.decode_attention_tiles)[:, None]
-            else:
-                k_pos = jnp.arange(k_all.shape[1])[None, :]
-                allowed = (k_pos[:, None, :] <= positions[:, :, None]) & key_valid[:, None, :]  # [B, T, S]
-                o = pk.attention_xla(q, k_all, v_all, allowed)
+            k_pos = jnp.arange(k_all.shape[1])[None, :]
+            allowed = (k_pos[:, None, :] <= positions[:, :, None]) & key_valid[:, None, :]  # [B, T, S]
+            o = pk.attention_xla(q, k_all, v_all, allowed)
         o = o.reshape(b, t, cfg.n_heads * cfg.head_dim).astype(dt)
         return self.o(o, prec, dt), cache
 
