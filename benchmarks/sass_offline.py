@@ -107,19 +107,22 @@ def cases(override=None):
 
         return (lambda: jax.jit(f).trace(a, gx).lower(lowering_platforms=("cuda",))), cfg
 
-    def grouped(tokens, n, k, rho, e=64, topk=8):
+    def grouped(tokens, n, k, rho, e=64, topk=8, gather=False):
+        """``gather``: the MoE dispatch's form, the tokens' rows read through the sorted rows' index."""
         m = tokens * topk
         w = nvfp4.quantize(jnp.ones((e, n, k), jnp.float32), keep_axes=(0,))
-        x = jnp.ones((m, k), jnp.bfloat16)
+        x = jnp.ones((tokens if gather else m, k), jnp.bfloat16)
+        src = jnp.arange(m, dtype=jnp.int32) // topk if gather else None
         sizes = jnp.asarray(np.full(e, m // e), jnp.int32)
         cfg = dataclasses.replace(NM.gemm_config(-(-m // e), n, k, programs_per_row_tile=e), **(override or {}))  # RAC: FP16 sum
         a, gx = pk.quantize_operand(x, rac_ratio=rho, order=NM.operand_order(cfg), backend="xla")
         gw = (jnp.ones((e,), jnp.float32),)
 
-        def f(a, gx):
-            return NG._grouped_call(a, gx, (w.codes,), (NM._bits(w.scales),), gw, sizes, cfg=cfg, out_dtype=jnp.float32, interpret=False)
+        def f(a, gx, src):
+            return NG._grouped_call(a, gx, src, (w.codes,), (NM._bits(w.scales),), gw, sizes, cfg=cfg, out_dtype=jnp.float32,
+                                    interpret=False)
 
-        return (lambda: jax.jit(f).trace(a, gx).lower(lowering_platforms=("cuda",))), cfg
+        return (lambda: jax.jit(f).trace(a, gx, src).lower(lowering_platforms=("cuda",))), cfg
 
     for name, (fn, cfg) in (
         ("dense T16 4096x14336 rho0", dense(16, 14336, 4096, 0.0)),
@@ -131,6 +134,8 @@ def cases(override=None):
         ("grouped 64 tok 1024x512 rho0", grouped(64, 512, 1024, 0.0)),
         ("grouped 256 tok 1024x512 rho0.5", grouped(256, 512, 1024, 0.5)),
         ("grouped 64 tok 1024x512 rho0.5", grouped(64, 512, 1024, 0.5)),
+        ("grouped 64 tok 1024x1024 rho0.5, rows gathered", grouped(64, 1024, 1024, 0.5, gather=True)),
+        ("grouped 256 tok 1024x1024 rho0.5, rows gathered", grouped(256, 1024, 1024, 0.5, gather=True)),
     ):
         values = cfg.block_n * cfg.block_k // (32 * cfg.num_warps)
         yield name, fn, cfg, values
@@ -202,9 +207,11 @@ def decode_attention_cases():
         q = jax.ShapeDtypeStruct((b, 16, 64), jnp.bfloat16)
         kv = jax.ShapeDtypeStruct((b, s, 4, 64), jnp.bfloat16)
         lengths = jax.ShapeDtypeStruct((b,), jnp.int32)
-        f = lambda q, k, v, n, cfg=cfg: CA._call(q, k, v, n, config=cfg, interpret=False)
-        out.append((f"B{b}_S{s}_splits{splits}_bk{bk}",
-                    lambda f=f, q=q, kv=kv, n=lengths: jax.jit(f).trace(q, kv, kv, n).lower(lowering_platforms=("cuda",)), cfg))
+        # the rollout's form: the step's keys and values appended by the kernel
+        new = (jax.ShapeDtypeStruct((b, 4, 64), jnp.bfloat16),) * 2 + (jax.ShapeDtypeStruct((b,), jnp.bool_),)
+        f = lambda q, k, v, n, new, cfg=cfg: CA._call(q, k, v, n, new, config=cfg, interpret=False)
+        out.append((f"B{b}_S{s}_splits{splits}_bk{bk}_append",
+                    lambda f=f, q=q, kv=kv, n=lengths, new=new: jax.jit(f).trace(q, kv, kv, n, new).lower(lowering_platforms=("cuda",)), cfg))
     return out
 
 
