@@ -8,8 +8,8 @@ Row b attends to its keys 0 .. lengths[b] - 1 (a row of length 0 gets zeros). Wi
 to its new key, and the kernel writes it to the caches at ``lengths[b]`` (the caches are
 aliased to the outputs: updated in place, no separate scatter launch a cache): a row's
 programs read only its keys below ``lengths[b]``, and the new key comes from the inputs, so
-the write races with no read. The cache
-stays in the engine's layout [B, S, Hkv, D], so nothing is copied or transposed per step.
+the write races with no read. The caches stay in the engine's layout [B, S, Hkv, D], so
+nothing is copied or transposed per step.
 One program per (row, split) loops over the key blocks below the row's length only: the
 bytes a step reads grow with the live tokens, not with the cache's size (the XLA reference
 reads, scores and masks the whole cache). All H query heads of the row are one MMA operand
