@@ -9,7 +9,7 @@ argument), never process state.
 """
 
 from pallas_kernels.attention import attention_xla, causal_attention, causal_attention_xla
-from pallas_kernels.cache_attention import DecodeAttentionConfig, decode_attention, decode_attention_xla
+from pallas_kernels.cache_attention import DecodeAttentionConfig, decode_attention, decode_attention_xla, write_rows
 from pallas_kernels.config import BACKENDS, DwTiles, GroupedTiles, KernelConfig, Tiles
 from pallas_kernels.grouped_weight_grad import grouped_dw, grouped_dw_xla
 from pallas_kernels.float_grouped import ExpertsKN, grouped_dot, grouped_dot_fp8, grouped_dot_kn, grouped_dot_xla
@@ -23,7 +23,7 @@ from pallas_kernels.quantizer import (RANK_MAX_BLOCKS, QuantConfig, QuantizedRow
 
 __all__ = [
     "BACKENDS", "KernelConfig", "GroupedTiles", "Tiles", "DwTiles", "grouped_dw", "grouped_dw_xla", "grouped_dot", "grouped_dot_xla", "ExpertsKN", "grouped_dot_kn", "grouped_dot_fp8", "causal_attention", "causal_attention_xla",
-    "attention_xla", "decode_attention", "decode_attention_xla", "DecodeAttentionConfig",
+    "attention_xla", "decode_attention", "decode_attention_xla", "write_rows", "DecodeAttentionConfig",
     "QuantConfig", "quant_config", "quantize_activations", "quantize_activations_rac", "QuantizedRows", "quantize_rows",
     "quantize_operand", "default_order", "RANK_MAX_BLOCKS",
     "nvfp4_matmul", "nvfp4_matmul_xla", "nvfp4_grouped_matmul", "nvfp4_grouped_matmul_xla",

@@ -110,8 +110,7 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, new_refs, o_ref, m_ref, l_ref, *cache_
     acc, m, l = jax.lax.fori_loop(0, steps, body, init)
     if new_refs is not None:
         kn_ref, vn_ref, act_ref = new_refs
-        pos = n
-        act = (act_ref[b] != 0) & (pos < seq)  # a full row's cache takes no write, so no new key
+        act = (act_ref[b] != 0) & (n < seq)  # a full row's cache takes no write, so no new key
         # each query row's KV head's new key and value ([Hp, D]; padding rows read head 0, unused)
         at = lambda ref: ref.at[b, jnp.minimum(head_of, len(heads) - 1)[:, None], jnp.arange(d)[None, :]]
         kq = plgpu.load(at(kn_ref)).astype(jnp.float32)
@@ -128,8 +127,8 @@ def _kernel(len_ref, q_ref, k_ref, v_ref, new_refs, o_ref, m_ref, l_ref, *cache_
         @pl.when(act & (s == 0))
         def _():
             for j, h in enumerate(heads):
-                k_out[b, pos, h, :] = kn_ref[b, h, :]
-                v_out[b, pos, h, :] = vn_ref[b, h, :]
+                k_out[b, n, h, :] = kn_ref[b, h, :]
+                v_out[b, n, h, :] = vn_ref[b, h, :]
     if splits == 1:  # the whole row here: normalise and write the output
         o_ref[...] = (acc / jnp.maximum(l, 1e-30)[:, None]).astype(o_ref.dtype)
     else:
@@ -167,7 +166,8 @@ def _call(q, k, v, lengths, new, *, config: DecodeAttentionConfig, interpret: bo
     part = (b, splits, hp)
     out_shape = [jax.ShapeDtypeStruct(part + (d,), q.dtype if one else jnp.float32),
                  jax.ShapeDtypeStruct(part, jnp.float32), jax.ShapeDtypeStruct(part, jnp.float32)]
-    out_specs = [pl.BlockSpec((None, None, hp, d), lambda i, s: (i, s, 0, 0)), pl.BlockSpec((None, None, hp), row := lambda i, s: (i, s, 0)),
+    row = lambda i, s: (i, s, 0)
+    out_specs = [pl.BlockSpec((None, None, hp, d), lambda i, s: (i, s, 0, 0)), pl.BlockSpec((None, None, hp), row),
                  pl.BlockSpec((None, None, hp), row)]
     aliases = {}
     if new is not None:  # the caches come back as outputs 3 and 4, written in place (inputs 2 and 3)
@@ -195,14 +195,16 @@ def _call(q, k, v, lengths, new, *, config: DecodeAttentionConfig, interpret: bo
     return o, outs[3][:, :seq], outs[4][:, :seq]
 
 
-def _append_xla(k, v, lengths, new):
-    """The caches with each active row's new key and value written at ``lengths`` (the
-    reference's write; inactive rows and rows whose cache is full are left as they were)."""
-    kn, vn, active = new
-    ok = active & (lengths < k.shape[1])
-    put = lambda c, x: jax.vmap(lambda cb, xb, pos, a: jnp.where(a, jax.lax.dynamic_update_slice_in_dim(cb, xb[None], pos, 0), cb))(
-        c, x.astype(c.dtype), lengths, ok)
-    return put(k, kn), put(v, vn), lengths + ok.astype(jnp.int32)
+def write_rows(buf, new, start, active):
+    """buf [B, S, ...] <- new [B, T, ...] at per-row offsets start [B], for the rows where
+    ``active``; the other rows are left exactly as they were (no write past their end, which
+    a slice clamped at the cache's end would turn into a write over their real entries). The
+    caches' write outside the decode kernel: prefill, and the XLA reference's decode step."""
+    def one(b, n, s, a):
+        s = jnp.where(a, s, 0)
+        n = jnp.where(a, n, jax.lax.dynamic_slice_in_dim(b, 0, n.shape[0], axis=0))
+        return jax.lax.dynamic_update_slice_in_dim(b, n, s, axis=0)
+    return jax.vmap(one)(buf, new, start, active)
 
 
 def decode_attention(q, k, v, lengths, *, new=None, impl: str = "pallas", config: DecodeAttentionConfig | None = None):
@@ -227,8 +229,10 @@ def decode_attention(q, k, v, lengths, *, new=None, impl: str = "pallas", config
     if impl == "xla":
         if new is None:
             return decode_attention_xla(q, k, v, lengths)
-        k, v, live = _append_xla(k, v, lengths, new)
-        return decode_attention_xla(q, k, v, live), k, v
+        kn, vn, active = new
+        ok = active & (lengths < k.shape[1])  # as the kernel: a full row takes no write and no new key
+        k, v = write_rows(k, kn[:, None], lengths, ok), write_rows(v, vn[:, None], lengths, ok)
+        return decode_attention_xla(q, k, v, lengths + ok.astype(jnp.int32)), k, v
     if impl != "pallas":
         raise ValueError(f"impl={impl!r}: expected 'pallas' or 'xla'")
     return _call(q, k, v, lengths, new, config=config or DecodeAttentionConfig(), interpret=interpret_mode())

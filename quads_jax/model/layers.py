@@ -85,17 +85,6 @@ def init_kv_cache(cfg: ModelConfig, batch: int, max_len: int | None = None, dtyp
     }
 
 
-def _write_rows(buf, new, start, active):
-    """buf [B, S, ...] <- new [B, T, ...] at per-row offsets start [B], for the rows where
-    ``active``; the other rows are left exactly as they were (no write past their end, which
-    a slice clamped at the cache's end would turn into a write over their real entries)."""
-    def one(b, n, s, a):
-        s = jnp.where(a, s, 0)
-        n = jnp.where(a, n, jax.lax.dynamic_slice_in_dim(b, 0, n.shape[0], axis=0))
-        return jax.lax.dynamic_update_slice_in_dim(b, n, s, axis=0)
-    return jax.vmap(one)(buf, new, start, active)
-
-
 class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         d, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -138,8 +127,8 @@ class Attention(nnx.Module):
                                                   config=prec.kernels.decode_attention_tiles)
             o, cache = o[:, None], {"k": k_all, "v": v_all}
         else:
-            k_all = _write_rows(cache["k"], k.astype(cache["k"].dtype), cache["start"], cache["active"])
-            v_all = _write_rows(cache["v"], v.astype(cache["v"].dtype), cache["start"], cache["active"])
+            k_all = pk.write_rows(cache["k"], k.astype(cache["k"].dtype), cache["start"], cache["active"])
+            v_all = pk.write_rows(cache["v"], v.astype(cache["v"].dtype), cache["start"], cache["active"])
             cache = {"k": k_all, "v": v_all}
             k_pos = jnp.arange(k_all.shape[1])[None, :]
             allowed = (k_pos[:, None, :] <= positions[:, :, None]) & key_valid[:, None, :]  # [B, T, S]
