@@ -4,9 +4,11 @@ x [M, K] holds the rows of expert 0, then expert 1, ... (``group_sizes`` [E], su
 at most M; trailing rows past the sum are left zero), w [E, N, K] is quantized along K
 with per-expert global scales ([E, 1, 1]). out[rows of e] = x[rows of e] @ W_e.T.
 
-Work is cut into (expert, row tile) items computed from ``group_sizes`` on the device:
-item i covers rows [start_i, end_i) of one expert, at most ``block_m`` of them; there are
-at most cdiv(M, block_m) + E items, and programs past the real count exit at once. Each
+Work is cut into (expert, row tile) items: item i covers rows [start_i, end_i) of one
+expert, at most ``block_m`` of them; there are at most cdiv(M, block_m) + E items, and
+programs past the real count exit at once. Each program finds its item from ``group_sizes``
+itself (``work_item``: a cumulative sum over the E experts and a few reductions, in
+registers), so the decode step runs no XLA kernels to build an item table. Each
 program streams one N tile of its expert's weight (decoded once per tile) with the same
 main loop as the dense kernel. Empty experts produce no items. Several expert
 weights that read the same rows (gate and up) share one launch, as in the dense kernel.
@@ -58,33 +60,31 @@ def expert_of_rows(group_sizes, m: int):
     return jnp.searchsorted(ends, jnp.arange(m, dtype=jnp.int32), side="right").astype(jnp.int32)
 
 
-def work_items(group_sizes, m: int, block_m: int):
-    """(expert, row_start, row_end) per work item, and the static item capacity."""
-    e = group_sizes.shape[0]
-    cap = pl.cdiv(m, block_m) + e
+def work_item(group_sizes, i, block_m: int, n_experts: int):
+    """(expert, row_start, row_end) of work item ``i`` (a scalar) from ``group_sizes`` (the
+    ``n_experts`` sizes, then any zero padding): items run over the experts in order, each
+    expert's rows in tiles of ``block_m``; an item past the last (``i`` >= the total tile
+    count) gets the last expert and no rows. Plain jnp on one vector, so it runs inside the
+    kernel as in XLA; ``v[ex]`` is a masked sum (a reduction, not a gather)."""
+    n = group_sizes.shape[0]
     tiles = (group_sizes + block_m - 1) // block_m
     tile_end = jnp.cumsum(tiles)
-    row_off = jnp.cumsum(group_sizes) - group_sizes
-    i = jnp.arange(cap, dtype=jnp.int32)
-    # the item's expert: how many experts' tiles end at or before it, one [cap, E] comparison
-    # (jnp.searchsorted's default is a loop of log2(E) steps: a while loop of small kernels)
-    ex = jnp.minimum(jnp.searchsorted(tile_end, i, side="right", method="compare_all"), e - 1).astype(jnp.int32)
-    local = i - (tile_end[ex] - tiles[ex])
-    start = row_off[ex] + local * block_m
-    end = jnp.minimum(start + block_m, row_off[ex] + group_sizes[ex])
-    valid = i < tile_end[-1]
-    end = jnp.where(valid, end, start)  # invalid items cover no rows
-    return jnp.stack([ex, start, end], axis=1).astype(jnp.int32), cap
+    row_end = jnp.cumsum(group_sizes)
+    # the item's expert: the experts whose tiles all end at or before it (empty ones included)
+    ex = jnp.minimum(jnp.sum((tile_end <= i).astype(jnp.int32)), n_experts - 1)
+    at = lambda v: jnp.sum(jnp.where(jnp.arange(n) == ex, v, 0))
+    start = at(row_end) - at(group_sizes) + (i - at(tile_end) + at(tiles)) * block_m
+    end = jnp.minimum(start + block_m, at(row_end))
+    return ex, start, jnp.where(i < jnp.sum(tiles), end, start)  # items past the last cover no rows
 
 
-def _grouped_kernel(items_ref, src_ref, x_ref, gx_ref, w_refs, *out_refs, ns, k, cfg, interpret):
-    """``items_ref``: (expert, row_start, row_end) per work item; ``src_ref`` [M]: the row of
+def _grouped_kernel(gs_ref, src_ref, x_ref, gx_ref, w_refs, *out_refs, ns, k, n_experts, cfg, interpret):
+    """``gs_ref``: the ``n_experts`` group sizes, zero-padded to a power of two (the program's
+    work item is ``work_item`` of them and ``program_id(0)``); ``src_ref`` [M]: the row of
     ``x_ref`` each sorted row reads (None: x's rows are sorted already); the rest as
     ``_gemm_kernel``."""
     it, jn_all, sk = pl.program_id(0), pl.program_id(1), pl.program_id(2)  # read outside conditionals (interpret mode)
-    ex = items_ref[it, 0]
-    start = items_ref[it, 1]
-    end = items_ref[it, 2]
+    ex, start, end = work_item(gs_ref[...], it, cfg.block_m, n_experts)
     src = None
     if src_ref is not None:
         src = plgpu.load(src_ref.at[pl.ds(start, cfg.block_m)], mask=start + jnp.arange(cfg.block_m) < end, other=0)
@@ -107,7 +107,9 @@ def _grouped_call(a, gx, src, wc, ws, gw, group_sizes, *, cfg, out_dtype, interp
     k = ws[0].shape[-1] * 16
     ns = tuple(c.shape[1] for c in wc)
     wc = code_form(wc, cfg)
-    items, cap = work_items(group_sizes, m_real, cfg.block_m)
+    e = group_sizes.shape[0]
+    cap = pl.cdiv(m_real, cfg.block_m) + e  # work items at most: one a row tile, plus one an expert
+    gs = pad_axis(group_sizes, 0, pl.next_power_of_2(e))  # Triton loads power-of-two vectors
     if interpret:  # interpret mode clamps out-of-range slices instead of masking them
         m_pad = m_real + cfg.block_m
         if src is None:
@@ -117,13 +119,13 @@ def _grouped_call(a, gx, src, wc, ws, gw, group_sizes, *, cfg, out_dtype, interp
         pad_n = lambda v: pad_axis(v, 1, pl.cdiv(v.shape[1], cfg.block_n) * cfg.block_n)
         wc, ws = tuple(map(pad_n, wc)), tuple(map(pad_n, ws))
     outs = pl.pallas_call(
-        functools.partial(_grouped_kernel, ns=ns, k=k, cfg=cfg, interpret=interpret),
+        functools.partial(_grouped_kernel, ns=ns, k=k, n_experts=e, cfg=cfg, interpret=interpret),
         out_shape=out_shapes(a.shape[0] if src is None else src.shape[0], ns, cfg, out_dtype),
         grid=(cap, sum(pl.cdiv(n, cfg.block_n) for n in ns), cfg.split_k),
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
         name="nvfp4_grouped_matmul",
-    )(items, src, a, gx, tuple(zip(wc, ws, gw)))
+    )(gs, src, a, gx, tuple(zip(wc, ws, gw)))
     # rows past sum(group_sizes) are never written: define them as zero
     valid = (jnp.arange(m_real) < jnp.sum(group_sizes))[:, None]
     return tuple(jnp.where(valid, reduce_split(o, cfg, out_dtype)[:m_real, :n], jnp.zeros((), out_dtype)) for o, n in zip(outs, ns))

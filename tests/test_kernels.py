@@ -129,6 +129,32 @@ def test_grouped_pallas_equals_xla_with_empty_experts(rng, rho):
         start += n
 
 
+def test_grouped_work_items_cover_each_row_once(rng):
+    """The grouped kernel's programs find their (expert, rows) items from the group sizes
+    themselves: over all item slots, each row of each expert is covered exactly once, in tiles
+    of at most block_m rows of one expert, and the slots past the real items cover none."""
+    from pallas_kernels.grouped_gemm import work_item
+
+    for e, block_m, pad in ((6, 16, 2), (64, 16, 0), (5, 64, 3)):
+        sizes = rng.integers(0, 40, e).astype(np.int32)
+        sizes[rng.integers(0, e, 2)] = 0  # empty experts
+        m = int(sizes.sum())
+        gs = jnp.asarray(np.concatenate([sizes, np.zeros(pad, np.int32)]))
+        cap = -(-m // block_m) + e
+        items = np.array([[int(v) for v in work_item(gs, jnp.int32(i), block_m, e)] for i in range(cap)])
+        ex, start, end = items.T
+        ends = np.cumsum(sizes)
+        covered = np.zeros(m, np.int32)
+        for x, s0, s1 in items:
+            assert 0 <= x < e and 0 <= s1 - s0 <= block_m
+            if s1 > s0:
+                assert ends[x] - sizes[x] <= s0 and s1 <= ends[x], (x, s0, s1)
+                covered[s0:s1] += 1
+        np.testing.assert_array_equal(covered, 1)
+        n_items = int(np.sum(-(-sizes // block_m)))
+        assert np.all(end[n_items:] == start[n_items:]) and np.all(end[:n_items] > start[:n_items])
+
+
 def test_fp8_matmul_close_to_float(rng):
     x = jnp.asarray(rng.standard_normal((8, 256)).astype(np.float32))
     wf = jnp.asarray(rng.standard_normal((32, 256)).astype(np.float32))
