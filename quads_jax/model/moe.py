@@ -61,27 +61,30 @@ RANK_BY_COMPARISON_MAX = 4096
 
 def expert_positions(flat, max_compare: int = RANK_BY_COMPARISON_MAX):
     """(order, inv) of flat expert ids [M]: the stable sort by expert and its inverse (each
-    assignment's place in it). Up to ``max_compare`` assignments the places are counted
-    (the assignments before each in (expert, index) order: one comparison reduction that XLA
-    fuses, where its sort of 2048 ids took 14.8 us on an H100) and the order scattered from
-    them; beyond, an argsort and the inverse scattered from it."""
+    assignment's place in it). Up to ``max_compare`` assignments both are counted, with no
+    sort and no scatter: inv[i] = the assignments before i in (expert, index) order, order[p]
+    = the i with inv[i] = p, each one comparison reduction that XLA fuses (its sort of 2048
+    ids took 14.8 us on an H100; a scatter of the order into a fresh buffer costs a copy and
+    a scatter kernel). Beyond, an argsort and the inverse scattered from it."""
     m = flat.shape[0]
     idx = jnp.arange(m, dtype=jnp.int32)
     if m <= max_compare:
         a, b = flat[:, None], flat[None, :]
         inv = ((b < a) | ((b == a) & (idx[None, :] < idx[:, None]))).sum(1, dtype=jnp.int32)
-        return jnp.zeros_like(idx).at[inv].set(idx, unique_indices=True), inv
+        order = jnp.where(inv[None, :] == idx[:, None], idx[None, :], 0).sum(1, dtype=jnp.int32)
+        return order, inv
     order = jnp.argsort(flat, stable=True).astype(jnp.int32)
     return order, jnp.zeros_like(order).at[order].set(idx, unique_indices=True)
 
 
 def sort_by_expert(ids, n_experts: int):
     """For flat assignments ids [N, k]: (order [N*k], inv (its inverse), token of each sorted
-    row, group_sizes [E])."""
+    row, group_sizes [E]). The group sizes are a comparison reduction over [N*k, E] (fused,
+    where a bincount is a copy of zeros and a scatter-add)."""
     flat = ids.reshape(-1)
     order, inv = expert_positions(flat)
     token = order // ids.shape[-1]
-    group_sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)
+    group_sizes = (flat[:, None] == jnp.arange(n_experts, dtype=flat.dtype)[None, :]).sum(0, dtype=jnp.int32)
     return order, inv, token, group_sizes
 
 
