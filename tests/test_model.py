@@ -101,6 +101,9 @@ def test_router_topk_and_renormalisation():
     ref = np.argsort(-np.asarray(probs), axis=1)[:, :3]
     np.testing.assert_array_equal(np.sort(ids, 1), np.sort(ref, 1))
     np.testing.assert_allclose(w.sum(-1), 1.0, rtol=1e-6)
+    # the softmax of the chosen logits: the chosen probs over their sum
+    chosen = np.take_along_axis(np.asarray(probs), np.asarray(ids), 1)
+    np.testing.assert_allclose(np.asarray(w), chosen / chosen.sum(1, keepdims=True), rtol=1e-6)
     _, _, w2 = M.route(logits, 3, False)
     assert float(w2.sum(-1).max()) < 1.0
     forced = jnp.zeros((10, 3), jnp.int32).at[:, 1].set(1).at[:, 2].set(2)

@@ -22,15 +22,21 @@ def route(logits, k: int, normalize: bool, forced=None):
     """Softmax router in float32: (probs [N, E], top-k ids [N, k], weights [N, k]).
 
     ``forced`` [N, k] replays given experts (routing replay); weights are their probs. Rows
-    whose forced ids are negative (-1) are not forced: they take their own top-k."""
-    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    w, ids = jax.lax.top_k(probs, k)
+    whose forced ids are negative (-1) are not forced: they take their own top-k.
+    With ``normalize`` (top-k weights summing to one) the weights are the softmax of the k
+    chosen logits, the same numbers as the chosen probs over their sum, and the experts are
+    the top-k logits (softmax is increasing): so the decode step, which uses no probs, runs
+    no softmax over all E experts."""
+    lf = logits.astype(jnp.float32)
+    probs = jax.nn.softmax(lf, axis=-1)
+    scores = lf if normalize else probs
+    w, ids = jax.lax.top_k(scores, k)
     if forced is not None:
         f = forced.astype(jnp.int32)
         ids = jnp.where(jnp.all(f >= 0, axis=-1, keepdims=True), f, ids)
-        w = jnp.take_along_axis(probs, ids, axis=-1)
+        w = jnp.take_along_axis(scores, ids, axis=-1)
     if normalize:
-        w = w / jnp.sum(w, axis=-1, keepdims=True)
+        w = jax.nn.softmax(w, axis=-1)
     return probs, ids, w
 
 
