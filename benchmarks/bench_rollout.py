@@ -110,9 +110,31 @@ def kernels_per_step(eng, batch, live, top=80, hlo_path=None):
     burst (the engine's loop, not donated here) profiled, divided by 16. The JSON keeps the
     ``top`` largest; the markdown shows the first 14. ``hlo_path``: the burst's optimized HLO
     (gzip), to map XLA's fusion names to the model's operations."""
-    per = H.breakdown(functools.partial(eng._burst_impl, **STATIC), *_burst_args(eng, batch, live), iterations=5,
-                      hlo_path=hlo_path)
-    return H.top_kernels(per, top, steps=eng.decode_burst)
+    args = _burst_args(eng, batch, live)
+    per = H.breakdown(functools.partial(eng._burst_impl, **STATIC), *args, iterations=5, hlo_path=hlo_path)
+    out = H.top_kernels(per, top, steps=eng.decode_burst)
+    if hlo_path:
+        import gzip
+
+        with gzip.open(hlo_path, "rt") as fh:
+            k = args[3]["layers"][0]["k"]
+            out["cache_copies_in_loop"] = cache_copies(fh.read(), f"{k.dtype}[{','.join(map(str, k.shape))}]")
+    return out
+
+
+def cache_copies(hlo_text: str, shape: str) -> int:
+    """How many ``copy`` instructions of a KV-cache-shaped buffer (``shape`` as HLO writes it,
+    e.g. "bfloat16[64,576,4,64]" or "bf16[...]") sit outside the entry computation, i.e. in
+    the decode loop: each would copy a whole cache every step (the decode attention updates
+    the caches in place through aliasing, so the right number is 0)."""
+    shape = shape.replace("bfloat16", "bf16")
+    n, entry = 0, False
+    for line in hlo_text.splitlines():
+        if line and not line[0].isspace():
+            entry = line.startswith("ENTRY")
+        elif not entry and f"= {shape}" in line and " copy(" in line:
+            n += 1
+    return n
 
 
 def sweep(res, cfg, params, recipes, batches, prompts, new_tokens, copy_tbps, deadline, prompt_len=64, profile=(), hlo_dir=None,
@@ -199,10 +221,11 @@ def markdown(res):
             ker = v.get("kernels_us_per_step")
             if ker:
                 lines += [f"### Kernels of one decode step: {k} (CUPTI us, summed over launches)", "", "| kernel | us |", "|---|---|"]
-                named = [(n, us) for n, us in ker.items() if n not in ("other", "total", "launches")]
+                named = [(n, us) for n, us in ker.items() if n not in ("other", "total", "launches", "cache_copies_in_loop")]
                 rest = sum(us for _, us in named[14:]) + ker.get("other", 0.0)
                 lines += [f"| {n[:70]} | {us:.1f} |" for n, us in named[:14] + [("other", rest), ("total", ker.get("total", 0.0))]]
                 lines += [f"| (launches a step) | {ker['launches']:.0f} |"] if "launches" in ker else []
+                lines += [f"| (KV-cache copies in the decode loop) | {ker['cache_copies_in_loop']} |"] if "cache_copies_in_loop" in ker else []
                 lines.append("")
     return "\n".join(lines + H.errors_md(res)) + "\n"
 

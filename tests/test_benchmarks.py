@@ -51,3 +51,25 @@ def test_rollout_sweep_times_every_recipe(tmp_path):
 
     with gzip.open(tmp_path / "decode_step_quads_B4.hlo.txt.gz", "rt") as f:  # the profiled executable's HLO
         assert "HloModule" in f.read(2000)
+
+
+def test_cache_copies_counts_copies_of_a_cache_inside_loops_only():
+    """The rollout profile's check that XLA keeps the aliased KV caches in place: copies of a
+    cache-shaped buffer in a loop body count, the entry computation's (one per call) do not."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from bench_rollout import cache_copies
+
+    hlo = """HloModule m
+%body (p: (bf16[2,8,1,4])) -> (bf16[2,8,1,4]) {
+  %a = bf16[2,8,1,4]{3,2,1,0} get-tuple-element(%p), index=0
+  %c = bf16[2,8,1,4]{3,2,1,0} copy(%a)
+  %d = f32[2,8,1,4]{3,2,1,0} copy(%x)
+  ROOT %t = (bf16[2,8,1,4]) tuple(%c)
+}
+
+ENTRY %main (c0: bf16[2,8,1,4]) -> bf16[2,8,1,4] {
+  %e = bf16[2,8,1,4]{3,2,1,0} copy(%c0)
+}
+"""
+    assert cache_copies(hlo, "bfloat16[2,8,1,4]") == 1
+    assert cache_copies(hlo.replace("%c = bf16[2,8,1,4]{3,2,1,0} copy(%a)", ""), "bf16[2,8,1,4]") == 0
