@@ -72,7 +72,8 @@ def work_item(group_sizes, i, block_m: int, n_experts: int):
     row_end = jnp.cumsum(group_sizes)
     # the item's expert: the experts whose tiles all end at or before it (empty ones included)
     ex = jnp.minimum(jnp.sum((tile_end <= i).astype(jnp.int32)), n_experts - 1)
-    at = lambda v: jnp.sum(jnp.where(jnp.arange(n) == ex, v, 0))
+    is_ex = jnp.arange(n) == ex
+    at = lambda v: jnp.sum(jnp.where(is_ex, v, 0))
     start = at(row_end) - at(group_sizes) + (i - at(tile_end) + at(tiles)) * block_m
     end = jnp.minimum(start + block_m, at(row_end))
     return ex, start, jnp.where(i < jnp.sum(tiles), end, start)  # items past the last cover no rows

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as PS
 
 from quads_jax import sharding as S
-from quads_jax.model.moe import expert_ffn, expert_positions
+from quads_jax.model.moe import expert_ffn, expert_positions, group_sizes_of
 
 
 def _pack(ids, ep: int, e_local: int, cap: int):
@@ -51,7 +51,7 @@ def _local(x, ids, weights, w_gate, w_up, w_down, *, prec, dtype, ep, cap):
     rx, re = recv_x.reshape(ep * cap, d), recv_e.reshape(ep * cap)
     # local dropless FFN; empty slots carry expert id e_local and sort last, outside every group
     order, inv = expert_positions(re)
-    sizes = jnp.bincount(re, length=e_local + 1)[:e_local].astype(jnp.int32)
+    sizes = group_sizes_of(re, e_local)  # the empty slots' id e_local counts for no expert
     ys = expert_ffn(rx[order], w_gate, w_up, w_down, sizes, prec, dtype)
     y = ys.at[inv].get(unique_indices=True).reshape(ep, cap, -1)
     back = jax.lax.all_to_all(y, "expert", 0, 0, tiled=True)  # [ep, cap, d] for our own assignments

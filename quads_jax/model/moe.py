@@ -83,15 +83,19 @@ def expert_positions(flat, max_compare: int = RANK_BY_COMPARISON_MAX):
     return order, jnp.zeros_like(order).at[order].set(idx, unique_indices=True)
 
 
+def group_sizes_of(flat, n_experts: int):
+    """Assignments per expert 0 .. n_experts - 1 of flat expert ids [M] (ids outside that range
+    count for none): a comparison reduction over [M, E] that XLA fuses, where a bincount is a
+    copy of zeros and a scatter-add."""
+    return (flat[:, None] == jnp.arange(n_experts, dtype=flat.dtype)[None, :]).sum(0, dtype=jnp.int32)
+
+
 def sort_by_expert(ids, n_experts: int):
     """For flat assignments ids [N, k]: (order [N*k], inv (its inverse), token of each sorted
-    row, group_sizes [E]). The group sizes are a comparison reduction over [N*k, E] (fused,
-    where a bincount is a copy of zeros and a scatter-add)."""
+    row, group_sizes [E])."""
     flat = ids.reshape(-1)
     order, inv = expert_positions(flat)
-    token = order // ids.shape[-1]
-    group_sizes = (flat[:, None] == jnp.arange(n_experts, dtype=flat.dtype)[None, :]).sum(0, dtype=jnp.int32)
-    return order, inv, token, group_sizes
+    return order, inv, order // ids.shape[-1], group_sizes_of(flat, n_experts)
 
 
 def expert_ffn(xs, w_gate, w_up, w_down, group_sizes, prec: P.Precision, dtype):
