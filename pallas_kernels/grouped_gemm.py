@@ -1,12 +1,13 @@
 """Grouped NVFP4 W4A4 (+RAC) GEMM for MoE experts: dropless, tokens sorted by expert.
 
 x [M, K] holds the rows of expert 0, then expert 1, ... (``group_sizes`` [E], summing to
-at most M; trailing rows past the sum are left zero), w [E, N, K] is quantized along K
+at most M; the output's rows past the sum are zero), w [E, N, K] is quantized along K
 with per-expert global scales ([E, 1, 1]). out[rows of e] = x[rows of e] @ W_e.T.
 
 Work is cut into (expert, row tile) items: item i covers rows [start_i, end_i) of one
-expert, at most ``block_m`` of them; there are at most cdiv(M, block_m) + E items, and
-programs past the real count exit at once. Each program finds its item from ``group_sizes``
+expert, at most ``block_m`` of them; there are at most cdiv(M, block_m) + E items. The
+programs past the real count zero the output's trailing rows (past sum(group_sizes); there
+are always enough of them), then exit at once. Each program finds its item from ``group_sizes``
 itself (``work_item``: a cumulative sum over the E experts and a few reductions, in
 registers), so the decode step runs no XLA kernels to build an item table. Each
 program streams one N tile of its expert's weight (decoded once per tile) with the same
@@ -60,32 +61,39 @@ def expert_of_rows(group_sizes, m: int):
     return jnp.searchsorted(ends, jnp.arange(m, dtype=jnp.int32), side="right").astype(jnp.int32)
 
 
-def work_item(group_sizes, i, block_m: int, n_experts: int):
-    """(expert, row_start, row_end) of work item ``i`` (a scalar) from ``group_sizes`` (the
-    ``n_experts`` sizes, then any zero padding): items run over the experts in order, each
-    expert's rows in tiles of ``block_m``; an item past the last (``i`` >= the total tile
-    count) gets the last expert and no rows. Plain jnp on one vector, so it runs inside the
-    kernel as in XLA; ``v[ex]`` is a masked sum (a reduction, not a gather)."""
+def work_item(group_sizes, i, block_m: int, n_experts: int, m: int):
+    """(expert, row_start, row_end, tail) of work item ``i`` (a scalar) from ``group_sizes``
+    (the ``n_experts`` sizes, then any zero padding) for ``m`` rows: items run over the
+    experts in order, each expert's rows in tiles of ``block_m``. The items past the last
+    (``i`` >= the total tile count; ``tail`` true) cover the trailing rows past
+    sum(group_sizes) in tiles of ``block_m`` (for the kernel to zero), then no rows. Plain
+    jnp on one vector, so it runs inside the kernel as in XLA; ``v[ex]`` is a masked sum (a
+    reduction, not a gather)."""
     n = group_sizes.shape[0]
     tiles = (group_sizes + block_m - 1) // block_m
     tile_end = jnp.cumsum(tiles)
     row_end = jnp.cumsum(group_sizes)
+    n_items, n_rows = jnp.sum(tiles), jnp.sum(group_sizes)
     # the item's expert: the experts whose tiles all end at or before it (empty ones included)
     ex = jnp.minimum(jnp.sum((tile_end <= i).astype(jnp.int32)), n_experts - 1)
     is_ex = jnp.arange(n) == ex
     at = lambda v: jnp.sum(jnp.where(is_ex, v, 0))
     start = at(row_end) - at(group_sizes) + (i - at(tile_end) + at(tiles)) * block_m
     end = jnp.minimum(start + block_m, at(row_end))
-    return ex, start, jnp.where(i < jnp.sum(tiles), end, start)  # items past the last cover no rows
+    tail = i >= n_items
+    tail_start = n_rows + (i - n_items) * block_m
+    tail_end = jnp.maximum(jnp.minimum(tail_start + block_m, m), tail_start)
+    return ex, jnp.where(tail, tail_start, start), jnp.where(tail, tail_end, end), tail
 
 
-def _grouped_kernel(gs_ref, src_ref, x_ref, gx_ref, w_refs, *out_refs, ns, k, n_experts, cfg, interpret):
+def _grouped_kernel(gs_ref, src_ref, x_ref, gx_ref, w_refs, *out_refs, m, ns, k, n_experts, cfg, interpret):
     """``gs_ref``: the ``n_experts`` group sizes, zero-padded to a power of two (the program's
-    work item is ``work_item`` of them and ``program_id(0)``); ``src_ref`` [M]: the row of
+    work item is ``work_item`` of them and ``program_id(0)``; ``m`` the real rows, past the
+    interpret mode's padding); ``src_ref`` [M]: the row of
     ``x_ref`` each sorted row reads (None: x's rows are sorted already); the rest as
     ``_gemm_kernel``."""
     it, jn_all, sk = pl.program_id(0), pl.program_id(1), pl.program_id(2)  # read outside conditionals (interpret mode)
-    ex, start, end = work_item(gs_ref[...], it, cfg.block_m, n_experts)
+    ex, start, end, tail = work_item(gs_ref[...], it, cfg.block_m, n_experts, m)
     src = None
     if src_ref is not None:
         src = plgpu.load(src_ref.at[pl.ds(start, cfg.block_m)], mask=start + jnp.arange(cfg.block_m) < end, other=0)
@@ -94,9 +102,19 @@ def _grouped_kernel(gs_ref, src_ref, x_ref, gx_ref, w_refs, *out_refs, ns, k, n_
         output_tile(x_ref=x_ref, gx_ref=gx_ref, w_refs=w_refs[i], out_ref=out_refs[i], n=ns[i], jn=jn, row_start=start,
                     row_end=end, sk=sk, k=k, cfg=cfg, interpret=interpret, expert=ex, src_rows=src)
 
-    @pl.when(end > start)
+    def zero_tile(i, jn):  # the rows past sum(group_sizes) are defined as zero
+        bm, bn = cfg.block_m, cfg.block_n
+        mask = (start + jnp.arange(bm) < end)[:, None] & (jn * bn + jnp.arange(bn) < ns[i])[None, :]
+        at = (pl.ds(start, bm), pl.ds(jn * bn, bn)) if cfg.split_k == 1 else (sk, pl.ds(start, bm), pl.ds(jn * bn, bn))
+        plgpu.store(out_refs[i].at[at], jnp.zeros((bm, bn), out_refs[i].dtype), mask=mask)
+
+    @pl.when((end > start) & ~tail)
     def _():
         for_each_weight(jn_all, ns, cfg.block_n, tile)
+
+    @pl.when((end > start) & tail)
+    def _():
+        for_each_weight(jn_all, ns, cfg.block_n, zero_tile)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "out_dtype", "interpret"))
@@ -120,16 +138,14 @@ def _grouped_call(a, gx, src, wc, ws, gw, group_sizes, *, cfg, out_dtype, interp
         pad_n = lambda v: pad_axis(v, 1, pl.cdiv(v.shape[1], cfg.block_n) * cfg.block_n)
         wc, ws = tuple(map(pad_n, wc)), tuple(map(pad_n, ws))
     outs = pl.pallas_call(
-        functools.partial(_grouped_kernel, ns=ns, k=k, n_experts=e, cfg=cfg, interpret=interpret),
+        functools.partial(_grouped_kernel, m=m_real, ns=ns, k=k, n_experts=e, cfg=cfg, interpret=interpret),
         out_shape=out_shapes(a.shape[0] if src is None else src.shape[0], ns, cfg, out_dtype),
         grid=(cap, sum(pl.cdiv(n, cfg.block_n) for n in ns), cfg.split_k),
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
         interpret=interpret,
         name="nvfp4_grouped_matmul",
     )(gs, src, a, gx, tuple(zip(wc, ws, gw)))
-    # rows past sum(group_sizes) are never written: define them as zero
-    valid = (jnp.arange(m_real) < jnp.sum(group_sizes))[:, None]
-    return tuple(jnp.where(valid, reduce_split(o, cfg, out_dtype)[:m_real, :n], jnp.zeros((), out_dtype)) for o, n in zip(outs, ns))
+    return tuple(reduce_split(o, cfg, out_dtype)[:m_real, :n] for o, n in zip(outs, ns))
 
 
 def _per_expert_gw(w):

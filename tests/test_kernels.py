@@ -1,5 +1,7 @@
 """Pallas kernels (interpret mode on the CPU) against their XLA references, on fresh random data."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -114,12 +116,12 @@ def test_grouped_pallas_equals_xla_with_empty_experts(rng, rho):
                        keep_axes=(0,))
     assert np.size(w.global_scale) == e
     x = jnp.asarray(heavy(rng, (m, 128))).astype(jnp.bfloat16)
-    a = pk.nvfp4_grouped_matmul(x, w, jnp.asarray(sizes), rac_ratio=rho, backend="xla", out_dtype=jnp.float32)
-    b = pk.nvfp4_grouped_matmul(x, w, jnp.asarray(sizes), rac_ratio=rho, backend="pallas", out_dtype=jnp.float32)
+    # per-token activation scales: the rollout's regime, the one the kernel computes
+    a = pk.nvfp4_grouped_matmul(x, w, jnp.asarray(sizes), rac_ratio=rho, act_scale="token", backend="xla", out_dtype=jnp.float32)
+    b = pk.nvfp4_grouped_matmul(x, w, jnp.asarray(sizes), rac_ratio=rho, act_scale="token", backend="pallas", out_dtype=jnp.float32)
     assert rel(b, a) < 1e-5
     # each group equals the dense GEMM with that expert's weight (per-token activation scales,
     # so a row's quantization does not depend on the other rows)
-    a = pk.nvfp4_grouped_matmul(x, w, jnp.asarray(sizes), rac_ratio=rho, act_scale="token", backend="xla", out_dtype=jnp.float32)
     start = 0
     for ei, n in enumerate(sizes):
         if n:
@@ -129,30 +131,54 @@ def test_grouped_pallas_equals_xla_with_empty_experts(rng, rho):
         start += n
 
 
+def test_grouped_output_rows_past_the_group_sizes_are_zero(rng):
+    """With fewer assigned rows than M (the sizes sum to less: expert parallelism's foreign
+    rows), the trailing rows of the output are zero, written by the kernel's spare programs
+    (interpret mode starts outputs as NaN, so a row no program writes fails), with two
+    weights in one launch and with split K."""
+    e, k = 4, 256
+    sizes = jnp.asarray([9, 0, 12, 5], jnp.int32)  # 26 of 61 rows
+    x = jnp.asarray(rng.standard_normal((61, k)), jnp.bfloat16)
+    ws = [nvfp4.quantize(jnp.asarray(rng.standard_normal((e, n, k)), jnp.float32), keep_axes=(0,)) for n in (64, 96)]
+    kw = dict(rac_ratio=0.5, act_scale="token", out_dtype=jnp.float32)  # the kernel's regime
+    ref = pk.nvfp4_grouped_matmul(x, ws, sizes, backend="xla", **kw)
+    base = pk.gemm_config(16, 160, k, programs_per_row_tile=e)
+    for cfg in (base, dataclasses.replace(base, split_k=2)):
+        got = pk.nvfp4_grouped_matmul(x, ws, sizes, backend="pallas", config=cfg, **kw)
+        for g, r in zip(got, ref):
+            np.testing.assert_array_equal(np.asarray(g[26:]), 0.0)
+            assert rel(g[:26], r[:26]) < 1e-5, cfg
+
+
 def test_grouped_work_items_cover_each_row_once(rng):
     """The grouped kernel's programs find their (expert, rows) items from the group sizes
     themselves: over all item slots, each row of each expert is covered exactly once, in tiles
-    of at most block_m rows of one expert, and the slots past the real items cover none."""
+    of at most block_m rows of one expert; the slots past the real items cover each trailing
+    row (past the sizes' sum) once, as tail items, and then none."""
     from pallas_kernels.grouped_gemm import work_item
 
-    for e, block_m, pad in ((6, 16, 2), (64, 16, 0), (5, 64, 3)):
+    for e, block_m, pad, trail in ((6, 16, 2, 0), (64, 16, 0, 37), (5, 64, 3, 130), (3, 16, 1, 0)):
         sizes = rng.integers(0, 40, e).astype(np.int32)
         sizes[rng.integers(0, e, 2)] = 0  # empty experts
-        m = int(sizes.sum())
+        s = int(sizes.sum())
+        m = s + trail
         gs = jnp.asarray(np.concatenate([sizes, np.zeros(pad, np.int32)]))
         cap = -(-m // block_m) + e
-        items = np.array([[int(v) for v in work_item(gs, jnp.int32(i), block_m, e)] for i in range(cap)])
-        ex, start, end = items.T
+        items = np.array([[int(v) for v in work_item(gs, jnp.int32(i), block_m, e, m)] for i in range(cap)])
         ends = np.cumsum(sizes)
         covered = np.zeros(m, np.int32)
-        for x, s0, s1 in items:
+        for x, s0, s1, tail in items:
             assert 0 <= x < e and 0 <= s1 - s0 <= block_m
-            if s1 > s0:
+            if s1 > s0 and not tail:
                 assert ends[x] - sizes[x] <= s0 and s1 <= ends[x], (x, s0, s1)
+            if s1 > s0:
+                assert (s0 >= s) == bool(tail), (s0, s, tail)
                 covered[s0:s1] += 1
         np.testing.assert_array_equal(covered, 1)
         n_items = int(np.sum(-(-sizes // block_m)))
-        assert np.all(end[n_items:] == start[n_items:]) and np.all(end[:n_items] > start[:n_items])
+        start, end, tail = items[:, 1], items[:, 2], items[:, 3]
+        assert np.all(end[:n_items] > start[:n_items]) and not tail[:n_items].any() and tail[n_items:].all()
+        assert np.all(end[n_items + -(-trail // block_m):] == start[n_items + -(-trail // block_m):])
 
 
 def test_fp8_matmul_close_to_float(rng):
@@ -738,7 +764,6 @@ def test_gemm_takes_rows_quantized_ahead_in_either_order(rng, t, rho):
     """QuantizedRows (the operand written ahead of the GEMM, in the word or the channel order)
     give the same output bits as quantizing inside the GEMM with the decode that reads that
     order (word and bit decodes), and the XLA backend's numbers."""
-    import dataclasses
     import importlib
 
     NM = importlib.import_module("pallas_kernels.gemm")
