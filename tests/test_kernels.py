@@ -61,13 +61,15 @@ def test_rac_selects_the_largest_residual_blocks(rng):
         assert e[t][m[t]].min() >= e[t][~m[t]].max()
 
 
-@pytest.mark.parametrize("t", [1, 19, 64])
-@pytest.mark.parametrize("rho", [0.0, 0.125, 0.5, 1.0])
+@pytest.mark.parametrize("t,rho", [(1, 0.0), (19, 0.0), (64, 0.0), (1, 0.5), (64, 0.5), (19, 0.125), (19, 1.0)])
 def test_gemm_pallas_equals_xla(rng, t, rho):
+    """The rollout's regime (per-token activation scales), the one the kernel computes: with
+    per-tensor scales ``backend="pallas"`` runs the XLA reference too."""
     x = jnp.asarray(heavy(rng, (t, 256))).astype(jnp.bfloat16)
     w = nvfp4.quantize(jnp.asarray(rng.standard_normal((96, 256)).astype(np.float32)))
-    a = pk.nvfp4_matmul(x, w, rac_ratio=rho, backend="xla", out_dtype=jnp.float32)
-    b = pk.nvfp4_matmul(x, w, rac_ratio=rho, backend="pallas", out_dtype=jnp.float32)
+    a = pk.nvfp4_matmul(x, w, rac_ratio=rho, act_scale="token", backend="xla", out_dtype=jnp.float32)
+    b = pk.nvfp4_matmul(x, w, rac_ratio=rho, act_scale="token", backend="pallas", out_dtype=jnp.float32)
+    assert "pallas_call" in str(jax.make_jaxpr(lambda v: pk.nvfp4_matmul(v, w, rac_ratio=rho, act_scale="token", backend="pallas"))(x))
     assert b.shape == (t, 96)
     assert rel(b, a) < 1e-5  # same operands, FP32 accumulation in another order
 
@@ -82,16 +84,18 @@ def test_gemm_w4a16_and_rho_semantics(rng):
     # FP32 sums of the same 512 products in another order differ by at most K * 2**-24 times
     # the sum of their magnitudes
     fp32_sum = lambda a: 512 * 2.0**-24 * np.asarray(np.abs(a) @ np.abs(wd).T)
-    # rho = 0 is the plain W4A4 product
-    xq = nvfp4.dequantize(pk.quantize_activations(x, act_scale="tensor"))
-    got0 = np.asarray(pk.nvfp4_matmul(x, w, backend="pallas", out_dtype=jnp.float32))
+    # rho = 0 is the plain W4A4 product (per-token scales: the kernel's regime)
+    xq = nvfp4.dequantize(pk.quantize_activations(x, act_scale="token"))
+    got0 = np.asarray(pk.nvfp4_matmul(x, w, act_scale="token", backend="pallas", out_dtype=jnp.float32))
     assert np.all(np.abs(got0 - np.asarray(xq @ wd.T)) <= fp32_sum(xq))
     # rho = 1 is (dq(q(x)) + dq(q(r))) @ dq(w).T: exactly so with rac_sum="exact"; with the
     # default FP16 sum, within FP16's unit roundoff (2**-11) of each compensated activation
-    xq1, rq1 = pk.quantize_activations_rac(x, rac_ratio=1.0)
+    # ("exact" runs the XLA reference, "fp16" the kernel)
+    xq1, rq1 = pk.quantize_activations_rac(x, rac_ratio=1.0, act_scale="token")
     comp = nvfp4.dequantize(xq1) + nvfp4.dequantize(rq1)
     ref1 = comp @ wd.T
-    got = {s: pk.nvfp4_matmul(x, w, rac_ratio=1.0, rac_sum=s, backend="pallas", out_dtype=jnp.float32) for s in pk.RAC_SUMS}
+    got = {s: pk.nvfp4_matmul(x, w, rac_ratio=1.0, rac_sum=s, act_scale="token", backend="pallas", out_dtype=jnp.float32)
+           for s in pk.RAC_SUMS}
     assert np.all(np.abs(np.asarray(got["exact"]) - np.asarray(ref1)) <= fp32_sum(comp))
     bound = 2.0**-11 * (np.abs(comp) @ np.abs(wd).T) + fp32_sum(comp)
     assert np.all(np.abs(got["fp16"] - ref1) <= bound)
@@ -110,8 +114,8 @@ def test_gemm_w4a16_and_rho_semantics(rng):
 
 @pytest.mark.parametrize("rho", [0.0, 0.5])
 def test_grouped_pallas_equals_xla_with_empty_experts(rng, rho):
-    e, m = 6, 45
-    sizes = np.array([10, 0, 17, 0, 18, 0], np.int32)
+    e, m = 6, 52
+    sizes = np.array([10, 0, 17, 0, 18, 0], np.int32)  # 45 rows; the 7 past them give zeros
     w = nvfp4.quantize(jnp.asarray(rng.standard_normal((e, 64, 128)).astype(np.float32) * np.arange(1, e + 1)[:, None, None]),
                        keep_axes=(0,))
     assert np.size(w.global_scale) == e
@@ -119,7 +123,10 @@ def test_grouped_pallas_equals_xla_with_empty_experts(rng, rho):
     # per-token activation scales: the rollout's regime, the one the kernel computes
     a = pk.nvfp4_grouped_matmul(x, w, jnp.asarray(sizes), rac_ratio=rho, act_scale="token", backend="xla", out_dtype=jnp.float32)
     b = pk.nvfp4_grouped_matmul(x, w, jnp.asarray(sizes), rac_ratio=rho, act_scale="token", backend="pallas", out_dtype=jnp.float32)
+    assert "pallas_call" in str(jax.make_jaxpr(
+        lambda v: pk.nvfp4_grouped_matmul(v, w, jnp.asarray(sizes), rac_ratio=rho, act_scale="token", backend="pallas"))(x))
     assert rel(b, a) < 1e-5
+    np.testing.assert_array_equal(np.asarray(b[45:]), 0.0)
     # each group equals the dense GEMM with that expert's weight (per-token activation scales,
     # so a row's quantization does not depend on the other rows)
     start = 0
@@ -134,20 +141,19 @@ def test_grouped_pallas_equals_xla_with_empty_experts(rng, rho):
 def test_grouped_output_rows_past_the_group_sizes_are_zero(rng):
     """With fewer assigned rows than M (the sizes sum to less: expert parallelism's foreign
     rows), the trailing rows of the output are zero, written by the kernel's spare programs
-    (interpret mode starts outputs as NaN, so a row no program writes fails), with two
-    weights in one launch and with split K."""
+    (interpret mode starts outputs as NaN, so a row no program writes fails): here with two
+    weights in one launch and split K (FP32 partials); one weight, unsplit: the test above."""
     e, k = 4, 256
     sizes = jnp.asarray([9, 0, 12, 5], jnp.int32)  # 26 of 61 rows
     x = jnp.asarray(rng.standard_normal((61, k)), jnp.bfloat16)
     ws = [nvfp4.quantize(jnp.asarray(rng.standard_normal((e, n, k)), jnp.float32), keep_axes=(0,)) for n in (64, 96)]
     kw = dict(rac_ratio=0.5, act_scale="token", out_dtype=jnp.float32)  # the kernel's regime
     ref = pk.nvfp4_grouped_matmul(x, ws, sizes, backend="xla", **kw)
-    base = pk.gemm_config(16, 160, k, programs_per_row_tile=e)
-    for cfg in (base, dataclasses.replace(base, split_k=2)):
-        got = pk.nvfp4_grouped_matmul(x, ws, sizes, backend="pallas", config=cfg, **kw)
-        for g, r in zip(got, ref):
-            np.testing.assert_array_equal(np.asarray(g[26:]), 0.0)
-            assert rel(g[:26], r[:26]) < 1e-5, cfg
+    cfg = dataclasses.replace(pk.gemm_config(16, 160, k, programs_per_row_tile=e), split_k=2)
+    got = pk.nvfp4_grouped_matmul(x, ws, sizes, backend="pallas", config=cfg, **kw)
+    for g, r in zip(got, ref):
+        np.testing.assert_array_equal(np.asarray(g[26:]), 0.0)
+        assert rel(g[:26], r[:26]) < 1e-5
 
 
 def test_grouped_work_items_cover_each_row_once(rng):
@@ -395,18 +401,19 @@ def test_gemm_decode_variants_equal_xla(rng, decode, swap_ab):
     w = nvfp4.quantize(jnp.asarray(rng.standard_normal((80, 256)).astype(np.float32)))
     bk = 128 if decode == "words" else 64
     cfg = pk.GemmConfig(block_m=16, block_n=32, block_k=bk, split_k=2, decode=decode, swap_ab=swap_ab)
-    for kw in ({"rac_ratio": 0.5}, {"rac_ratio": 0.5, "rac_sum": "exact"}, {"mode": "w4a16"}):
+    # the kernel's regimes: W4A4 with per-token scales, with and without RAC, and W4A16
+    regimes = ({"rac_ratio": 0.5, "act_scale": "token"}, {"act_scale": "token"}, {"mode": "w4a16"})
+    for kw in regimes:
         a = pk.nvfp4_matmul(x, w, backend="xla", out_dtype=jnp.float32, **kw)
         b = pk.nvfp4_matmul(x, w, backend="pallas", out_dtype=jnp.float32, config=cfg, **kw)
         assert rel(b, a) < 1e-5, kw
     if swap_ab:  # the grouped kernel shares the main loop: ragged experts, one empty
         sizes = jnp.asarray([7, 0, 14])
         wg = nvfp4.quantize(jnp.asarray(rng.standard_normal((3, 80, 256)).astype(np.float32)), keep_axes=(0,))
-        for rac_sum in pk.RAC_SUMS:
-            a = pk.nvfp4_grouped_matmul(x, wg, sizes, rac_ratio=0.5, rac_sum=rac_sum, backend="xla", out_dtype=jnp.float32)
-            b = pk.nvfp4_grouped_matmul(x, wg, sizes, rac_ratio=0.5, rac_sum=rac_sum, backend="pallas", out_dtype=jnp.float32,
-                                        config=cfg)
-            assert rel(b, a) < 1e-5, rac_sum
+        for kw in regimes[:2]:
+            a = pk.nvfp4_grouped_matmul(x, wg, sizes, backend="xla", out_dtype=jnp.float32, **kw)
+            b = pk.nvfp4_grouped_matmul(x, wg, sizes, backend="pallas", out_dtype=jnp.float32, config=cfg, **kw)
+            assert rel(b, a) < 1e-5, kw
 
 
 def test_word_decode_steps_and_layout_equal_the_format():
