@@ -263,10 +263,16 @@ def grouped_cases(tiny: bool):
             # expert): 64-wide N tiles re-read the FP16 token rows twice as often, M tiles of the
             # mean rows read an expert's weight tile twice where its rows exceed the mean
             base = pk.gemm_config(-(-t * topk // e), n, k, programs_per_row_tile=e)
+            # K tiles of 256 (half the loop steps, twice the bytes a load) and split K (twice the
+            # programs, each half as long): whether the decode-size items are latency-bound
             tiles = {} if tiny or not name.startswith("bench") else {
-                f"bm{bm} bn{bn} w{w} s{st}": dataclasses.replace(base, block_m=bm, block_n=bn, num_warps=w, num_stages=st)
-                for bm, bn, w, st in ((base.block_m, 64, 4, 4), (max(16, base.block_m // 2), 128, 4, 4),
-                                      (base.block_m, 256, 8, 3), (base.block_m, 128, 4, 2), (base.block_m, 128, 8, 4))}
+                f"bm{bm} bn{bn} bk{bk} split{sp} w{w} s{st}": dataclasses.replace(base, block_m=bm, block_n=bn, block_k=bk, split_k=sp,
+                                                                             num_warps=w, num_stages=st)
+                for bm, bn, bk, sp, w, st in ((base.block_m, 64, base.block_k, 1, 4, 4), (max(16, base.block_m // 2), 128, base.block_k, 1, 4, 4),
+                                              (base.block_m, 256, base.block_k, 1, 8, 3), (base.block_m, 128, base.block_k, 1, 4, 2),
+                                              (base.block_m, 128, base.block_k, 1, 8, 4), (base.block_m, 128, 256, 1, 4, 3),
+                                              (base.block_m, 128, base.block_k, 2, 4, 4))}
+            tiles = {k: c for k, c in tiles.items() if c != base}
             for op, rho, mode in (("w4a4+rac0.5", 0.5, "w4a4"), ("w4a4", 0.0, "w4a4"), ("w4a16", 0.0, "w4a16")):
                 ref = ours(rho, mode, "xla")
                 cases += [Case("grouped", shape, op, "pallas", ours(rho, mode), (x, rows, gs, w4), ref=ref, kept=True,
