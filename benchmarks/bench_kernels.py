@@ -269,6 +269,7 @@ def grouped_cases(tiny: bool):
                 f"bm{bm} bn{bn} bk{bk} split{sp} w{w} s{st}": dataclasses.replace(base, block_m=bm, block_n=bn, block_k=bk, split_k=sp,
                                                                              num_warps=w, num_stages=st)
                 for bm, bn, bk, sp, w, st in ((base.block_m, 64, base.block_k, 1, 4, 4), (max(16, base.block_m // 2), 128, base.block_k, 1, 4, 4),
+                                              (base.block_m, 128, base.block_k, 1, 4, 4),
                                               (base.block_m, 256, base.block_k, 1, 8, 3), (base.block_m, 128, base.block_k, 1, 4, 2),
                                               (base.block_m, 128, base.block_k, 1, 8, 4), (base.block_m, 128, 256, 1, 4, 3),
                                               (base.block_m, 128, base.block_k, 2, 4, 4))}

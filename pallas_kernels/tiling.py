@@ -65,7 +65,8 @@ def gemm_config(t: int, n: int, k: int, programs_per_row_tile: int = 1, num_sms:
     decoded from code words in 128-wide N tiles, K tiles of 128 (256 for large weights that
     still fill 1.5 waves), and split-K until about 1.5 waves of programs. The grouped GEMM
     (``programs_per_row_tile`` experts, T their mean rows) takes M tiles of about twice the
-    mean, so that most experts' rows fit one tile and each weight tile is read once. From
+    mean, so that most experts' rows fit one tile and each weight tile is read once, and
+    256-wide N tiles where those M tiles are 16 rows. From
     PREFILL_DEQUANT_MIN_T tokens the dense GEMM decodes both operands once and runs the BF16
     dot (square MMA tiles for the grouped kernel). Each choice is the fastest of the kernel
     registry's tile sweeps (benchmarks/results/2026-12-04-h200-run13,
@@ -81,8 +82,14 @@ def gemm_config(t: int, n: int, k: int, programs_per_row_tile: int = 1, num_sms:
     bk = next(b for b in (128, 64, 32) if k % b == 0)
     decode = "words" if bk >= 128 else "bits"  # the word decode splits a K tile into 8 parts of >= 16 channels
     bn = 64 if n < 128 else 128
+    warps, stages = 4, 4
+    if grouped and bm == 16 and n >= 512:
+        # decode-size expert items (a few rows each): 256-wide N tiles with 8 warps, half the
+        # programs, each with twice the work: the bench model's down projection at T=64 took
+        # 17.9 against 22.1 us, its gate/up 32.7 either way; with 64-row items it was no faster
+        # (benchmarks/results/2026-12-07-h100-tail)
+        bn, warps, stages = 256, 8, 3
     tiles = -(-t // bm) * -(-n // bn) * programs_per_row_tile
-    stages = 4
     if not grouped:
         if k % 256 == 0 and decode == "words" and tiles * (k // 512) >= 1.5 * sms:
             bk = 256
@@ -91,5 +98,5 @@ def gemm_config(t: int, n: int, k: int, programs_per_row_tile: int = 1, num_sms:
     # each program keeps >= 2 K tiles
     while tiles * split < 1.5 * sms and (k // bk) % (split * 2) == 0 and k // (bk * split * 2) >= 2:
         split *= 2
-    return GemmConfig(block_m=bm, block_n=bn, block_k=bk, split_k=split, num_warps=4, num_stages=stages, swap_ab=True,
+    return GemmConfig(block_m=bm, block_n=bn, block_k=bk, split_k=split, num_warps=warps, num_stages=stages, swap_ab=True,
                       decode=decode, path="fused")
