@@ -24,7 +24,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as PS
 
 from quads_jax import sharding as S
-from quads_jax.model.moe import expert_ffn, expert_positions, group_sizes_of
+from pallas_kernels.routing import expert_positions, group_sizes_of
+from quads_jax.model.moe import expert_ffn
 
 
 def _pack(ids, ep: int, e_local: int, cap: int):

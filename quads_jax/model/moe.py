@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels.routing import expert_positions, group_sizes_of, kernel_fits, topk_dispatch, topk_weights
 from quads_jax import precision as P
 from quads_jax.model.config import ModelConfig
 from quads_jax.model.layers import MLP, Linear, param, value
@@ -23,21 +24,16 @@ def route(logits, k: int, normalize: bool, forced=None):
 
     ``forced`` [N, k] replays given experts (routing replay); weights are their probs. Rows
     whose forced ids are negative (-1) are not forced: they take their own top-k.
-    With ``normalize`` (top-k weights summing to one) the weights are the softmax of the k
-    chosen logits, the same numbers as the chosen probs over their sum, and the experts are
-    the top-k logits (softmax is increasing): so the decode step, which uses no probs, runs
-    no softmax over all E experts."""
+    The experts are the top-k logits (softmax is increasing); the weights are
+    ``routing.topk_weights``: with ``normalize`` (top-k weights summing to one) the softmax of
+    the k chosen logits, the same numbers as the chosen probs over their sum, so the decode
+    step, which uses no probs, runs no softmax over all E experts."""
     lf = logits.astype(jnp.float32)
-    probs = jax.nn.softmax(lf, axis=-1)
-    scores = lf if normalize else probs
-    w, ids = jax.lax.top_k(scores, k)
+    _, ids = jax.lax.top_k(lf, k)
     if forced is not None:
         f = forced.astype(jnp.int32)
         ids = jnp.where(jnp.all(f >= 0, axis=-1, keepdims=True), f, ids)
-        w = jnp.take_along_axis(scores, ids, axis=-1)
-    if normalize:
-        w = jax.nn.softmax(w, axis=-1)
-    return probs, ids, w
+    return jax.nn.softmax(lf, axis=-1), ids, topk_weights(lf, ids, normalize)
 
 
 def load_balance_loss(probs, ids, n_experts: int, mask=None):
@@ -60,36 +56,6 @@ def z_loss(logits, mask=None):
     return jnp.sum(z * m) / jnp.maximum(m.sum(), 1.0)
 
 
-# assignments (tokens x k) up to which sort_by_expert counts positions by comparison: the
-# rollout's decode steps (batch 512 at top-8); the [M, M] comparison grows with the square
-RANK_BY_COMPARISON_MAX = 4096
-
-
-def expert_positions(flat, max_compare: int = RANK_BY_COMPARISON_MAX):
-    """(order, inv) of flat expert ids [M]: the stable sort by expert and its inverse (each
-    assignment's place in it). Up to ``max_compare`` assignments both are counted, with no
-    sort and no scatter: inv[i] = the assignments before i in (expert, index) order, order[p]
-    = the i with inv[i] = p, each one comparison reduction that XLA fuses (its sort of 2048
-    ids took 14.8 us on an H100; a scatter of the order into a fresh buffer costs a copy and
-    a scatter kernel). Beyond, an argsort and the inverse scattered from it."""
-    m = flat.shape[0]
-    idx = jnp.arange(m, dtype=jnp.int32)
-    if m <= max_compare:
-        a, b = flat[:, None], flat[None, :]
-        inv = ((b < a) | ((b == a) & (idx[None, :] < idx[:, None]))).sum(1, dtype=jnp.int32)
-        order = jnp.where(inv[None, :] == idx[:, None], idx[None, :], 0).sum(1, dtype=jnp.int32)
-        return order, inv
-    order = jnp.argsort(flat, stable=True).astype(jnp.int32)
-    return order, jnp.zeros_like(order).at[order].set(idx, unique_indices=True)
-
-
-def group_sizes_of(flat, n_experts: int):
-    """Assignments per expert 0 .. n_experts - 1 of flat expert ids [M] (ids outside that range
-    count for none): a comparison reduction over [M, E] that XLA fuses, where a bincount is a
-    copy of zeros and a scatter-add."""
-    return (flat[:, None] == jnp.arange(n_experts, dtype=flat.dtype)[None, :]).sum(0, dtype=jnp.int32)
-
-
 def sort_by_expert(ids, n_experts: int):
     """For flat assignments ids [N, k]: (order [N*k], inv (its inverse), token of each sorted
     row, group_sizes [E])."""
@@ -109,15 +75,17 @@ def expert_ffn(xs, w_gate, w_up, w_down, group_sizes, prec: P.Precision, dtype):
     return gl(h.astype(dtype), w_down)
 
 
-def moe_ffn(x, ids, weights, w_gate, w_up, w_down, prec, dtype):
+def moe_ffn(x, ids, weights, w_gate, w_up, w_down, prec, dtype, dispatch=None):
     """Dropless MoE FFN for tokens x [N, d] with top-k ids/weights [N, k].
 
     Rows move by permutations only: the N*k (token, slot) rows are permuted into expert order
     and back (gathers of unique indices, whose gradients are permutations too), and each
-    token's k outputs are summed in slot order. No scatter-add, no [N*k, E] tensor."""
+    token's k outputs are summed in slot order. No scatter-add, no [N*k, E] tensor.
+    ``dispatch``: (order, inv, token, group_sizes) of ``ids`` when the router computed them
+    (``routing.topk_dispatch``), else ``sort_by_expert`` runs here."""
     n, k = ids.shape
     n_experts = w_gate.shape[0]
-    order, inv, token, group_sizes = sort_by_expert(ids, n_experts)
+    order, inv, token, group_sizes = dispatch or sort_by_expert(ids, n_experts)
     # NVFP4 rollouts quantize the N tokens once (per-token scales), not their N x k copies,
     # and the gate and up GEMMs share that: the same numbers as quantizing the sorted rows
     xin = P.quantize_rows_for(x, w_gate, prec.mode("experts"), rac_ratio=prec.rac_ratio, rac_sum=prec.rac_sum,
@@ -157,10 +125,18 @@ class MoE(nnx.Module):
         dt = cfg.dtype
         xf = x.reshape(b * t, d)
         logits = self.router(xf, prec, jnp.float32)
-        fflat = None if forced is None else forced.reshape(b * t, -1)
-        probs, ids, w = route(logits, cfg.experts_per_token, cfg.norm_topk_prob, fflat)
-        fn = expert_fn or moe_ffn
-        y = fn(xf, ids, w, value(self.w_gate), value(self.w_up), value(self.w_down), prec, dt)
+        k = cfg.experts_per_token
+        ws = (value(self.w_gate), value(self.w_up), value(self.w_down))
+        if (forced is None and expert_fn is None and prec.kernels.resolved_routing() == "pallas"
+                and kernel_fits(b * t, cfg.n_experts)):
+            # the decode step's batches: routing and dispatch in one kernel (pallas_kernels.routing)
+            ids, w, *dispatch = topk_dispatch(logits, k, normalize=cfg.norm_topk_prob, backend="pallas")
+            probs = jax.nn.softmax(logits, axis=-1)  # for the auxiliary loss only: dead code in a decode step
+            y = moe_ffn(xf, ids, w, *ws, prec, dt, dispatch=tuple(dispatch))
+        else:
+            fflat = None if forced is None else forced.reshape(b * t, -1)
+            probs, ids, w = route(logits, k, cfg.norm_topk_prob, fflat)
+            y = (expert_fn or moe_ffn)(xf, ids, w, *ws, prec, dt)
         if self.shared is not None:
             gate = jax.nn.sigmoid(self.shared_gate(xf, prec, jnp.float32))
             y = (y.astype(jnp.float32) + gate * self.shared(xf, prec, dt).astype(jnp.float32)).astype(dt)
