@@ -122,6 +122,10 @@ def quant_cases(tiny: bool):
                 variants["one program a row"] = dataclasses.replace(base, parts=1)
                 if base.chunk > 256 and k // 16 <= pk.RANK_MAX_BLOCKS:
                     variants["one program a row, chunk 256"] = dataclasses.replace(base, parts=1, chunk=256, select="rank")
+                # the whole row in one program ranks its own energies: one launch where the
+                # default's energies take two (the batch-64 step's down projection, 512 x 512)
+                if rho == 0.5 and base.parts > 1 and base.select != "rank" and k // 16 <= pk.RANK_MAX_BLOCKS:
+                    variants["one program a row, select rank"] = dataclasses.replace(base, parts=1, select="rank")
             # smaller chunks at the default layout (warps as quant_config gives them: 4 with
             # 256-channel chunks of a part row), and the in-kernel rank with them: one launch for RAC
             for c in (256, 512):
