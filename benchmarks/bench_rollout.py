@@ -137,9 +137,24 @@ def cache_copies(hlo_text: str, shape: str) -> int:
     return n
 
 
+def recipe_of(spec: str):
+    """A rollout recipe from ``name`` or ``name@field=value@...`` (KernelConfig fields: e.g.
+    ``nvfp4_naive@routing=xla`` times the decode step with the XLA routing beside the default)."""
+    import pallas_kernels as pk
+    from quads_jax import precision as P
+
+    name, *fields = spec.split("@")
+    if not fields:
+        return P.rollout_recipe(name)
+    try:
+        kernels = dict(f.split("=", 1) for f in fields)
+    except ValueError:
+        raise ValueError(f"--recipes: expected name@field=value, got {spec!r}") from None
+    return P.rollout_recipe(name, kernels=pk.KernelConfig.from_dict(kernels))
+
+
 def sweep(res, cfg, params, recipes, batches, prompts, new_tokens, copy_tbps, deadline, prompt_len=64, profile=(), hlo_dir=None,
           static_loop=False):
-    from quads_jax import precision as P
     from rollout.engine import Engine, Request
 
     rng = np.random.default_rng(0)
@@ -156,7 +171,7 @@ def sweep(res, cfg, params, recipes, batches, prompts, new_tokens, copy_tbps, de
                 continue
             try:
                 t0 = time.time()
-                prec = P.rollout_recipe(recipe)
+                prec = recipe_of(recipe)
                 eng = Engine(cfg, recipe=prec, max_batch=batch, max_len=prompt_len + new_tokens)
                 eng.load(params)
                 eng.generate([dataclasses.replace(r, max_new_tokens=min(new_tokens, eng.decode_burst + 1)) for r in reqs[:batch]])  # compile
@@ -263,7 +278,7 @@ def main():
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results/rollout"))
     ap.add_argument("--batches", default="16,64,256,512")
     ap.add_argument("--recipes", default="bf16,fp8,nvfp4_naive,quads",
-                    help="comma-separated rollout recipes")
+                    help="comma-separated rollout recipes, each a name or name@field=value@... (KernelConfig fields)")
     ap.add_argument("--prompts", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=512)
     ap.add_argument("--budget", type=float, default=1e9, help="seconds; later sweep entries are skipped past it")
