@@ -9,7 +9,7 @@ logits; else the softmax over all E, taken at the chosen); the T*k assignments t
 stably by expert: ``order`` [T*k] the assignment at each sorted place, ``inv`` [T*k] its
 inverse (each assignment's place), ``token`` [T*k] the token of each sorted place (order // k)
 and ``group_sizes`` [E] the assignments per expert. ``topk_dispatch_xla`` is the reference:
-``lax.top_k``, then comparison reductions (``expert_positions``, ``group_sizes_of``).
+``lax.top_k``, then comparison reductions (``sort_by_expert``).
 
 Why a kernel: in XLA the same work is about seven small kernels a MoE layer (the top-k sort,
 the softmax of the chosen, three comparison reductions, a division and a compare), about 90 us
@@ -67,6 +67,14 @@ def group_sizes_of(flat, n_experts: int):
     return (flat[:, None] == jnp.arange(n_experts, dtype=flat.dtype)[None, :]).sum(0, dtype=jnp.int32)
 
 
+def sort_by_expert(ids, n_experts: int):
+    """The dispatch of given assignments ids [N, k]: (order [N*k], inv (its inverse), token of
+    each sorted row, group_sizes [E])."""
+    flat = ids.reshape(-1)
+    order, inv = expert_positions(flat)
+    return order, inv, order // ids.shape[-1], group_sizes_of(flat, n_experts)
+
+
 def topk_weights(logits, ids, normalize: bool):
     """The weights [T, k] of the chosen experts ``ids``: the softmax of their logits
     (``normalize``) or the softmax over all experts, taken at them. Float32."""
@@ -88,9 +96,7 @@ def topk_dispatch_xla(logits, k: int, *, normalize: bool):
     _check(logits, k)
     _, ids = jax.lax.top_k(logits.astype(jnp.float32), k)
     ids = ids.astype(jnp.int32)
-    flat = ids.reshape(-1)
-    order, inv = expert_positions(flat)
-    return ids, topk_weights(logits, ids, normalize), order, inv, order // k, group_sizes_of(flat, logits.shape[1])
+    return ids, topk_weights(logits, ids, normalize), *sort_by_expert(ids, logits.shape[1])
 
 
 # ----------------------------------------------------------------------------- kernel

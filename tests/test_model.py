@@ -136,7 +136,7 @@ def test_expert_positions_are_the_stable_sort_and_its_inverse(m):
         np.testing.assert_array_equal(order, want)
         np.testing.assert_array_equal(inv[want], np.arange(m))
         if m % 2 == 0:  # as [m / 2, 2] assignments: the tokens of the sorted rows, the group sizes
-            _, _, token, sizes = jax.jit(M.sort_by_expert, static_argnums=1)(jnp.asarray(flat.reshape(-1, 2)), n_experts + 2)
+            _, _, token, sizes = jax.jit(RT.sort_by_expert, static_argnums=1)(jnp.asarray(flat.reshape(-1, 2)), n_experts + 2)
             np.testing.assert_array_equal(np.asarray(token), want // 2)
             np.testing.assert_array_equal(np.asarray(sizes), np.bincount(flat, minlength=n_experts + 2))
 

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_kernels.routing import expert_positions, group_sizes_of, kernel_fits, topk_dispatch, topk_weights
+from pallas_kernels.routing import sort_by_expert, topk_dispatch, topk_weights
 from quads_jax import precision as P
 from quads_jax.model.config import ModelConfig
 from quads_jax.model.layers import MLP, Linear, param, value
@@ -54,14 +54,6 @@ def z_loss(logits, mask=None):
         return jnp.mean(z)
     m = mask.astype(jnp.float32)
     return jnp.sum(z * m) / jnp.maximum(m.sum(), 1.0)
-
-
-def sort_by_expert(ids, n_experts: int):
-    """For flat assignments ids [N, k]: (order [N*k], inv (its inverse), token of each sorted
-    row, group_sizes [E])."""
-    flat = ids.reshape(-1)
-    order, inv = expert_positions(flat)
-    return order, inv, order // ids.shape[-1], group_sizes_of(flat, n_experts)
 
 
 def expert_ffn(xs, w_gate, w_up, w_down, group_sizes, prec: P.Precision, dtype):
@@ -127,10 +119,10 @@ class MoE(nnx.Module):
         logits = self.router(xf, prec, jnp.float32)
         k = cfg.experts_per_token
         ws = (value(self.w_gate), value(self.w_up), value(self.w_down))
-        if (forced is None and expert_fn is None and prec.kernels.resolved_routing() == "pallas"
-                and kernel_fits(b * t, cfg.n_experts)):
-            # the decode step's batches: routing and dispatch in one kernel (pallas_kernels.routing)
-            ids, w, *dispatch = topk_dispatch(logits, k, normalize=cfg.norm_topk_prob, backend="pallas")
+        if forced is None and expert_fn is None:
+            # top-k and dispatch together: one kernel at the decode step's batches under
+            # KernelConfig.routing="pallas" (pallas_kernels.routing), the reference otherwise
+            ids, w, *dispatch = topk_dispatch(logits, k, normalize=cfg.norm_topk_prob, backend=prec.kernels.resolved_routing())
             probs = jax.nn.softmax(logits, axis=-1)  # for the auxiliary loss only: dead code in a decode step
             y = moe_ffn(xf, ids, w, *ws, prec, dt, dispatch=tuple(dispatch))
         else:
