@@ -616,20 +616,20 @@ def test_gemm_config_rejects_bad_values():
         pk.GemmConfig(block_m=16, block_n=48, block_k=64)
 
 
-@pytest.mark.parametrize("rho", [0.0, 0.5])
-def test_quantizer_per_token_scales_equal_xla(rng, rho):
+def test_quantizer_per_token_scales_equal_xla(rng):
     """The kernel's per-token global scales (an all-zero token gets 1.0) and operand equal the
-    reference's bits. The GEMMs run the kernels only in the rollout's regime: a per-tensor
-    scale, the tensor / channel selections and the exact RAC sum run the reference, with no
-    kernel in their program."""
+    reference's bits (rho 0's operand: test_quantizer_writes_the_gemm_operand_bit_identical).
+    The GEMMs run the kernels only in the rollout's regime: a per-tensor scale, the tensor /
+    channel selections and the exact RAC sum run the reference, with no kernel in their program."""
     x = jnp.asarray(heavy(rng, (37, 512))).astype(jnp.bfloat16).at[3].set(0.0)
-    _, gx = assert_operand_equal(x, rho, pk.QuantConfig(chunk=128))
+    _, gx = assert_operand_equal(x, 0.5, pk.QuantConfig(chunk=128))
     assert float(gx[3, 0]) == 1.0
     w = nvfp4.quantize(jnp.asarray(rng.standard_normal((64, 512)).astype(np.float32)))
     kernels = lambda **kw: str(jax.make_jaxpr(lambda v: pk.nvfp4_matmul(v, w, backend="pallas", **kw))(x)).count("pallas_call")
-    # the quantizer and the GEMM, and with RAC below 1024 tokens the split selection's energy pass
-    assert kernels(rac_ratio=rho, act_scale="token") == (3 if rho else 2)
-    assert kernels(rac_ratio=rho, act_scale="tensor") == 0
+    for rho in (0.0, 0.5):
+        # the quantizer and the GEMM, and with RAC below 1024 tokens the selection's energy pass
+        assert kernels(rac_ratio=rho, act_scale="token") == (3 if rho else 2)
+        assert kernels(rac_ratio=rho, act_scale="tensor") == 0
     assert kernels(rac_ratio=0.5, rac_mode="channel", act_scale="token") == 0
     assert kernels(rac_ratio=0.5, rac_sum="exact", act_scale="token") == 0
     assert kernels(mode="w4a16") == 1
@@ -675,7 +675,7 @@ def test_split_selection_with_two_rows_a_program_and_padded_rows(rng):
     x = jnp.asarray(heavy(rng, (11, 256))).astype(jnp.bfloat16)
     # rho 1 and 0 rank nothing: once each
     for cfg, rhos in ((pk.QuantConfig(block_rows=2, chunk=64, parts=2, select="split"), (0.5, 1.0)),
-                      (pk.QuantConfig(block_rows=2, chunk=128, select="split"), (0.5, 0.0)),
+                      (pk.QuantConfig(block_rows=2, chunk=128, select="split"), (0.0,)),
                       (pk.QuantConfig(block_rows=2, chunk=64, parts=2, select="energies"), (0.5,))):
         for rho in rhos:
             assert_operand_equal(x, rho, cfg, order=("words", 128), rows=16)
@@ -746,7 +746,9 @@ def test_quant_config_splits_rows_at_decode_sizes():
 
 
 # split ranks in XLA only past RANK_MAX_BLOCKS by default (test_split_selection_of_long_rows_...)
-@pytest.mark.parametrize("select", ["rank", pytest.param("split", marks=pytest.mark.slow), "energies"])
+# "energies" with ties: test_selections_of_rows_of_any_block_count (also across programs)
+@pytest.mark.parametrize("select", ["rank", pytest.param("split", marks=pytest.mark.slow),
+                                    pytest.param("energies", marks=pytest.mark.slow)])
 def test_rac_selections_equal_xla_with_ties(rng, select):
     x = heavy(rng, (9, 512))
     blocks = x.reshape(9, 32, 16)
