@@ -15,8 +15,8 @@ bytes a step reads grow with the live tokens, not with the cache's size (the XLA
 reads, scores and masks the whole cache). All H query heads of the row are one MMA operand
 (padded to a power of two >= 16 rows where H is not one): each key block's scores are
 H x block_k products against every KV head, each query row keeping its own head's (GQA).
-On an H100 this beat a program per KV head, whose G query heads were padded to 16 rows
-(11.9 against 13.3 us at B=64, 41.6 against 51.2 at B=256: 2026-12-06-h100-rows).
+This measured faster than a program per KV head, whose G query heads pad to 16 MMA rows
+(the registry's attention regime; benchmarks/results).
 
 ``DecodeAttentionConfig.splits`` > 1 cuts each row's live keys into that many parts, whose
 partial softmax results (unnormalised output, max, sum) are merged afterwards

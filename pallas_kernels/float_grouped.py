@@ -204,8 +204,8 @@ def grouped_dot_fp8(x, values, group_sizes, *, impl: str = "auto", tiles: Tiles 
         return jax.lax.ragged_dot_general(x, values.astype(jnp.bfloat16), gs, DIMS, preferred_element_type=jnp.float32)
     import qwix
     import tokamax
-    # FP16 operands: Mosaic GPU on sm90 converts E4M3 only to FP16 ("no support for converting
-    # from f8E4M3FN to bf16", H100 2026-12-06); E4M3 values are exact in FP16 as in BF16
+    # FP16 operands: Mosaic GPU on sm90 converts E4M3 only to FP16 (it rejects a conversion
+    # to BF16); E4M3 values are exact in FP16 as in BF16
     q = qwix.QArray(qvalue=values, scale=jnp.ones((e, n, 1), FP8_UNIT_SCALE), qtype=values.dtype)
     y = tokamax.ragged_dot_general(x.astype(jnp.float16), q, gs, DIMS, preferred_element_type=jnp.bfloat16,
                                    implementation=[tokamax_op(GroupedTiles(fwd=tiles or quantized_weight_tiles(k)), "fwd")])

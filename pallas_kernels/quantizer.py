@@ -94,12 +94,12 @@ RANK_MAX_BLOCKS = 256  # the longest rows (in 16-blocks) that quant_config lets 
 
 def quant_config(t: int, k: int, num_sms: int | None = None) -> QuantConfig:
     """The quantizer's tiles for T rows of K channels, the fastest measured at the rollout's
-    shapes (the kernel registry's "quant" regime; benchmarks/results/2026-12-06-h100-defaults).
+    shapes (the kernel registry's "quant" regime; benchmarks/results).
     Rows of K >= 512 channels take at least two programs each (``parts``), and decode sizes
     (few tokens) split further until about one wave runs (T=16: 8 parts, T=64: 2); 1024 tokens
     and more take two rows a program, and whole rows where K <= 512.
     RAC's selection: the in-kernel rank (one launch) from 1024 tokens and wherever a program
-    owns its whole row (K = 768: 5.2 against 8.4 us at T=64 on an H100); otherwise
+    owns its whole row (K = 768, which does not split into 256-channel parts); otherwise
     ``select="energies"`` (one launch fewer than split, no whole-row pass in the quantizer).
     Rows of more than RANK_MAX_BLOCKS blocks take split at any size: the in-kernel counts grow
     with the square of the blocks, split's XLA ranking sorts such rows."""
@@ -114,10 +114,9 @@ def quant_config(t: int, k: int, num_sms: int | None = None) -> QuantConfig:
     while (k // parts) % chunk:
         chunk //= 2
     # 8 warps from 512-channel chunks (a parity half of 256 values: one a thread), and where a
-    # program owns a whole row of 256-channel chunks (K = 768: Qwen3-30B-A3B's down projection):
-    # with 4 its RAC was 4.8x slower on an H100 (40.8 against 8.5 us at T=64; 16 warps 11.1),
-    # but 16 warps on the half rows of K = 512 slowed the rollout's down projection
-    # (2026-12-06-h100-rows)
+    # program owns a whole row of 256-channel chunks (K = 768: Qwen3-30B-A3B's down projection),
+    # where 4 warps measured several times slower with RAC; 16 warps on the half rows of
+    # K = 512 slowed the rollout's down projection
     blocks = k // 16
     select = "split" if blocks > RANK_MAX_BLOCKS else "rank" if t >= 1024 or parts == 1 else "energies"
     warps = 8 if chunk >= 512 or (chunk == 256 and parts == 1) else 4
@@ -283,7 +282,7 @@ def _quant_kernel(x_ref, sel_ref, a_ref, gx_ref, *, t, k, cfg, n_sel, arith, int
 def _selected_blocks(e, n_sel):
     """``select="split"``'s ranking in XLA: energies [T, B] -> RAC's selection [T, B] (the
     blocks >= each row's n_sel-th largest, ties included, as ``_top_blocks``). Rows of up to
-    RANK_MAX_BLOCKS blocks: the all-pairs count (one fusion; measured on an H100). Longer
+    RANK_MAX_BLOCKS blocks: the all-pairs count (one fusion, the faster there). Longer
     rows, where that grows with the square of the blocks: the n_sel-th largest bit pattern
     from ``lax.top_k`` (a sort, B log B), then one comparison; the same set (a block is
     >= the n-th largest iff fewer than n blocks are strictly larger)."""

@@ -12,9 +12,8 @@ and ``group_sizes`` [E] the assignments per expert. ``topk_dispatch_xla`` is the
 ``lax.top_k``, then comparison reductions (``sort_by_expert``).
 
 Why a kernel: in XLA the same work is about seven small kernels a MoE layer (the top-k sort,
-the softmax of the chosen, three comparison reductions, a division and a compare), about 90 us
-and 56 launches of a batch-64 decode step of the bench model on an H100
-(benchmarks/results/2026-12-07-h100-tail). The kernel is one program over a [tokens, experts]
+the softmax of the chosen, three comparison reductions, a division and a compare), each a
+launch in the decode step's critical path. The kernel is one program over a [tokens, experts]
 tile in registers: k rounds of a row max and its lowest index give the top-k; since a token's
 k experts are distinct, the place of assignment (t, e) is the assignments of the experts
 before e plus the tokens before t that chose e (two cumulative sums over the tile), and
@@ -46,9 +45,9 @@ def expert_positions(flat, max_compare: int = RANK_BY_COMPARISON_MAX):
     """(order, inv) of flat expert ids [M]: the stable sort by expert and its inverse (each
     assignment's place in it). Up to ``max_compare`` assignments both are counted, with no
     sort and no scatter: inv[i] = the assignments before i in (expert, index) order, order[p]
-    = the i with inv[i] = p, each one comparison reduction that XLA fuses (its sort of 2048
-    ids took 14.8 us on an H100; a scatter of the order into a fresh buffer costs a copy and
-    a scatter kernel). Beyond, an argsort and the inverse scattered from it."""
+    = the i with inv[i] = p, each one comparison reduction that XLA fuses (XLA's sort is
+    several kernels; a scatter of the order into a fresh buffer costs a copy and a scatter
+    kernel). Beyond, an argsort and the inverse scattered from it."""
     m = flat.shape[0]
     idx = jnp.arange(m, dtype=jnp.int32)
     if m <= max_compare:

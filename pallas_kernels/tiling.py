@@ -69,8 +69,7 @@ def gemm_config(t: int, n: int, k: int, programs_per_row_tile: int = 1, num_sms:
     256-wide N tiles where those M tiles are 16 rows. From
     PREFILL_DEQUANT_MIN_T tokens the dense GEMM decodes both operands once and runs the BF16
     dot (square MMA tiles for the grouped kernel). Each choice is the fastest of the kernel
-    registry's tile sweeps (benchmarks/results/2026-12-04-h200-run13,
-    2026-12-05-h100-rollout-scale, 2026-12-06-h100-defaults)."""
+    registry's tile sweeps (the grouped and dense regimes; benchmarks/results)."""
     if t >= PREFILL_DEQUANT_MIN_T:
         bk = 64 if k % 64 == 0 else 32
         path = "dequant" if programs_per_row_tile == 1 else "fused"
@@ -85,9 +84,8 @@ def gemm_config(t: int, n: int, k: int, programs_per_row_tile: int = 1, num_sms:
     warps, stages = 4, 4
     if grouped and bm == 16 and n >= 512:
         # decode-size expert items (a few rows each): 256-wide N tiles with 8 warps, half the
-        # programs, each with twice the work: the bench model's down projection at T=64 took
-        # 17.9 against 22.1 us, its gate/up 32.7 either way; with 64-row items it was no faster
-        # (benchmarks/results/2026-12-07-h100-tail)
+        # programs, each with twice the work, measured faster at the bench model's down
+        # projection and no slower at its gate/up; with 64-row items it was no faster
         bn, warps, stages = 256, 8, 3
     tiles = -(-t // bm) * -(-n // bn) * programs_per_row_tile
     if not grouped:

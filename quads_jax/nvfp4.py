@@ -62,14 +62,14 @@ def _mantissa_exponent(v):
 def ieee_div(a, b):
     """Correctly rounded float32 ``a / b`` (IEEE round to nearest even), on every backend.
 
-    Plain float32 division is not: XLA on the H200 divides approximately (30% of random
-    quotients one ulp off, measured in benchmarks/results), Triton emits ``div.full.f32``,
+    Plain float32 division is not: XLA on the GPU divides approximately (a large share of
+    random quotients one ulp off), Triton emits ``div.full.f32``,
     and XLA on the CPU rewrites a division by a broadcast scalar into a reciprocal
     multiply. The NVFP4 recipe's divisions decide codes at rounding boundaries, so on the
     CPU they go through float64 (``f64_div``) and elsewhere through ``long_div``'s integer
-    arithmetic: jitted for the GPU, the float64 route came back with the approximate float32
-    quotient (22% of random quotients one ulp off on an H100, tests/test_gpu.py, 2026-12-06),
-    which moved an E4M3 block scale one step in about one block in a million. The choice is
+    arithmetic: jitted for the GPU, the float64 route comes back with the approximate float32
+    quotient (tests/test_gpu.py), which moves an E4M3 block scale one step in about one block
+    in a million. The choice is
     made per lowering platform (``jax.lax.platform_dependent``), never by process state.
     Kernels use PTX ``div.rn.f32`` (``pallas_kernels.tile_math``).
     """
@@ -532,8 +532,8 @@ def block_values(t: NVFP4Tensor, dtype=jnp.bfloat16):
     """``e2m1(code) * scale`` without the global scale. Exact in bfloat16 (a 2-bit by 4-bit
     significand product, exponents in [-10, 12]): the operand a Hopper kernel feeds to
     its BF16 MMA, the global scales going to the epilogue."""
-    # computed per packed byte in BF16 (both products exact), interleaved once at the end: on
-    # the H200 the unpack-first form took 61 us for a 4096 x 4096 operand (run 9)
+    # computed per packed byte in BF16 (both products exact), interleaved once at the end:
+    # the unpack-first form measured several times slower on the GPU
     p = jnp.moveaxis(code_bytes(t.codes), t.axis, -1).astype(jnp.int32)
     s = jnp.moveaxis(t.scales, t.axis, -1).astype(jnp.float32).astype(jnp.bfloat16)
     s = jnp.repeat(s, BLOCK // 2, axis=-1)  # one scale per packed byte

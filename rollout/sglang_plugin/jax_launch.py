@@ -23,7 +23,7 @@ import jax.numpy as jnp
 def import_jax_triton():
     """``import jax_triton``, undoing its import-time ``TRITON_CACHE_DIR=""`` (jax-triton 0.3.1),
     which makes every later Triton launch from torch in the same process fail with "Could not
-    create or locate cache dir" (seen on the H200, run 9)."""
+    create or locate cache dir"."""
     before = os.environ.get("TRITON_CACHE_DIR")
     import jax_triton
 
