@@ -420,24 +420,15 @@ def weight_quant_cases(tiny: bool):
 
 
 def routing_cases(tiny: bool):
-    """The MoE router at decode sizes: its top-k, weights and dispatch (sorted order, places,
-    group sizes) in one kernel against the XLA reference (top-k and comparison reductions);
-    and the placement of the (token, slot) assignments alone, counted by comparison (the
-    default up to RANK_BY_COMPARISON_MAX) against XLA's stable argsort."""
+    """The MoE dispatch at decode sizes: the placement of the (token, slot) assignments in
+    expert order, counted by comparison (the default up to RANK_BY_COMPARISON_MAX) against
+    XLA's stable argsort."""
     import jax.numpy as jnp
 
-    from pallas_kernels import routing as RT
+    from quads_jax.model import routing as RT
 
     rng = np.random.default_rng(5)
     cases = []
-    for t, e in ((16, 16),) if tiny else ((16, 64), (64, 64), (128, 64), (256, 64), (64, 128)):
-        logits = jnp.asarray(rng.standard_normal((t, e)), jnp.float32)
-        ref = lambda lg: RT.topk_dispatch_xla(lg, 8, normalize=True)
-        common = dict(ref=ref, tol=1e-5, bytes=t * e * 4.0 + t * 8 * 4 * 5.0)
-        shape = f"T{t} E{e} top-8"
-        cases += [Case("routing", shape, "top-k dispatch", "pallas", lambda lg: RT.topk_dispatch(lg, 8, normalize=True, backend="pallas"),
-                       (logits,), kept=RT.kernel_fits(t, e), **common),
-                  Case("routing", shape, "top-k dispatch", "xla", ref, (logits,), kept=not RT.kernel_fits(t, e), **common)]
     for m in (64,) if tiny else (512, 2048, 4096):
         flat = jnp.asarray(rng.integers(0, 64, m), jnp.int32)
         ref = lambda f: RT.expert_positions(f, max_compare=0)

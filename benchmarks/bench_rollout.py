@@ -139,7 +139,7 @@ def cache_copies(hlo_text: str, shape: str) -> int:
 
 def recipe_of(spec: str):
     """A rollout recipe from ``name`` or ``name@field=value@...`` (KernelConfig fields: e.g.
-    ``nvfp4_naive@routing=xla`` times the decode step with the XLA routing beside the default)."""
+    ``nvfp4_naive@decode_attention=xla`` times the decode step with the XLA attention beside the default)."""
     import pallas_kernels as pk
     from quads_jax import precision as P
 

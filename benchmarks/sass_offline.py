@@ -215,24 +215,6 @@ def decode_attention_cases():
     return out
 
 
-def routing_cases():
-    """(name, lower(), RoutingConfig) of the MoE top-k dispatch at the bench model's router (64
-    experts, top-8) and Qwen3-30B-A3B's (128, top-8), rollout batches."""
-    import jax
-    import jax.numpy as jnp
-
-    from pallas_kernels import routing as RT
-
-    out = []
-    for t, e in ((16, 64), (64, 64), (128, 64), (64, 128)):
-        cfg = RT.routing_config(t, e)
-        w = cfg.num_warps
-        lg = jax.ShapeDtypeStruct((t, e), jnp.float32)
-        f = lambda lg, cfg=cfg: RT._dispatch_call(lg, k=8, normalize=True, cfg=cfg, interpret=False)
-        out.append((f"T{t}_E{e}_top8_w{w}", lambda f=f, lg=lg: jax.jit(f).trace(lg).lower(lowering_platforms=("cuda",)), cfg))
-    return out
-
-
 def quant_main(a, captured, tmp, cases=None, stem="sass_offline_quant"):
     """Whole-kernel instruction counts of the quantizer (it has no main loop: its chunks and
     rank counts are unrolled, so the static count is about each thread's serial work), or of
@@ -271,7 +253,7 @@ def main():
     ap.add_argument("--out", default=None, help="write sass_offline.json and .md here")
     ap.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                     help="GemmConfig fields to override in every case, e.g. --set decode=words")
-    ap.add_argument("--kernels", default="gemm", choices=("gemm", "quant", "decode_attention", "weight_quant", "routing"),
+    ap.add_argument("--kernels", default="gemm", choices=("gemm", "quant", "decode_attention", "weight_quant"),
                     help="the GEMMs' main loops, the activation quantizer, or the live-KV decode attention")
     a = ap.parse_args()
     captured = capture_ttir()
@@ -282,8 +264,6 @@ def main():
         return quant_main(a, captured, tmp)
     if a.kernels == "weight_quant":
         return quant_main(a, captured, tmp, weight_quant_cases(), "sass_offline_weight_quant")
-    if a.kernels == "routing":
-        return quant_main(a, captured, tmp, routing_cases(), "sass_offline_routing")
     if a.kernels == "decode_attention":
         return quant_main(a, captured, tmp, decode_attention_cases(), "sass_offline_decode_attention")
     rows = []

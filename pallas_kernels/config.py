@@ -25,10 +25,6 @@ Fields (each validated here, with a one-line error naming the field):
                dw may instead be a ``DwTiles``, which runs our Pallas dW kernel. The default
                is the fastest measured at the bench model's shapes on an H100
                (benchmarks/results/2026-12-05-h100-train-tiles).
-    routing    the MoE router's top-k and dispatch: "pallas" (``pallas_kernels.routing``: one
-               kernel, for up to 128 tokens of 64 experts: the decode steps; the reference
-               beyond), "xla" (top-k, then comparison reductions), or "auto" (pallas on a GPU,
-               xla elsewhere).
     decode_attention_tiles  the Pallas decode attention's ``DecodeAttentionConfig`` (or a dict
                of its fields).
 
@@ -47,7 +43,6 @@ BACKENDS = ("pallas", "xla")
 GROUPED = ("tokamax", "xla")
 ATTENTION = ("cudnn", "tokamax", "xla")
 DECODE_ATTENTION = ("pallas", "xla")
-ROUTING = ("pallas", "xla")
 
 
 def _on_gpu() -> bool:
@@ -171,13 +166,12 @@ class KernelConfig:
     grouped: str = "auto"
     attention: str = "auto"
     decode_attention: str = "auto"
-    routing: str = "auto"
     grouped_tiles: GroupedTiles = DEFAULT_GROUPED_TILES
     decode_attention_tiles: DecodeAttentionConfig = DecodeAttentionConfig()
 
     def __post_init__(self):
         for name, allowed in (("backend", BACKENDS), ("grouped", GROUPED), ("attention", ATTENTION),
-                              ("decode_attention", DECODE_ATTENTION), ("routing", ROUTING)):
+                              ("decode_attention", DECODE_ATTENTION)):
             v = getattr(self, name)
             if v != "auto" and v not in allowed:
                 raise ValueError(f"kernels.{name}={v!r}: expected one of {('auto',) + allowed}")
@@ -199,9 +193,6 @@ class KernelConfig:
 
     def resolved_decode_attention(self) -> str:
         return _pick("decode_attention", self.decode_attention, DECODE_ATTENTION, "pallas")
-
-    def resolved_routing(self) -> str:
-        return _pick("routing", self.routing, ROUTING, "pallas")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> "KernelConfig":

@@ -348,19 +348,3 @@ def test_sglang_triton_gemm_agrees_with_its_torch_reference_and_with_jax(rho):
     ref = N.quads_linear(tx, tw, ts, gw, rac_ratio=rho, out_dtype=torch.float32)
     assert float((got - ref).norm() / ref.norm()) < 1e-3
     assert rel(got.cpu().numpy(), jt) < 1e-3
-
-
-@pytest.mark.parametrize("t,e", [(16, 64), (64, 64), (128, 64), (64, 128)])
-def test_topk_dispatch_kernel_equals_the_reference(t, e):
-    """The MoE router's top-k and dispatch compiled for the GPU (its scatter stores of the
-    sorted order, its cumulative sums over the tile): ids, order, places, tokens and group
-    sizes equal to the XLA reference's, weights to FP32 rounding, at the rollout's batches."""
-    from pallas_kernels import routing as RT
-
-    lg = jnp.asarray(np.random.default_rng().standard_normal((t, e)), jnp.float32)
-    for normalize in (True, False):
-        got = RT.topk_dispatch(lg, 8, normalize=normalize, backend="pallas")
-        want = RT.topk_dispatch_xla(lg, 8, normalize=normalize)
-        for i in (0, 2, 3, 4, 5):
-            np.testing.assert_array_equal(np.asarray(got[i]), np.asarray(want[i]), err_msg=str(i))
-        np.testing.assert_allclose(np.asarray(got[1]), np.asarray(want[1]), rtol=2e-6, atol=1e-7)

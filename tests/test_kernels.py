@@ -9,7 +9,7 @@ import pytest
 
 import pallas_kernels as pk
 from quads_jax import fp8, nvfp4
-from pallas_kernels import cache_attention as CA, rac, routing as RT
+from pallas_kernels import cache_attention as CA, rac
 
 
 def heavy(rng, shape):
@@ -186,56 +186,6 @@ def test_grouped_work_items_cover_each_row_once(rng):
         start, end, tail = items[:, 1], items[:, 2], items[:, 3]
         assert np.all(end[:n_items] > start[:n_items]) and not tail[:n_items].any() and tail[n_items:].all()
         assert np.all(end[n_items + -(-trail // block_m):] == start[n_items + -(-trail // block_m):])
-
-
-@pytest.mark.parametrize("t,e,k,normalize", [(64, 64, 8, True), (19, 48, 6, False), (128, 64, 8, True), (1, 8, 2, True)])
-def test_topk_dispatch_kernel_equals_the_reference(t, e, k, normalize):
-    """The router's top-k, weights and dispatch in one kernel: the reference's ids, sorted
-    order, places, tokens and group sizes exactly (numpy's stable argsort and bincount too),
-    weights to FP32 rounding; ties at the top go to the lower index, an expert no token picks
-    gets an empty group; T, E and k not powers of two."""
-    rng = np.random.default_rng()
-    lg = rng.standard_normal((t, e)).astype(np.float32)
-    lg[:, 1] -= 50.0  # picked by none
-    lg[0, 3] = lg[0, 5] = lg[0].max() + 1.0  # a tie at the top of token 0
-    lg = jnp.asarray(lg)
-    run = lambda v: RT.topk_dispatch(v, k, normalize=normalize, backend="pallas")
-    assert "moe_topk_dispatch" in str(jax.make_jaxpr(run)(lg))
-    got, want = run(lg), RT.topk_dispatch_xla(lg, k, normalize=normalize)
-    ids, w, order, inv, token, gs = (np.asarray(a) for a in got)
-    for name, a, b in zip(("ids", "order", "inv", "token", "group_sizes"), (ids, order, inv, token, gs),
-                          (want[0], want[2], want[3], want[4], want[5])):
-        np.testing.assert_array_equal(a, np.asarray(b), err_msg=name)
-    np.testing.assert_allclose(w, np.asarray(want[1]), rtol=1e-6, atol=1e-7)
-    assert ids[0, 0] == 3 and (t == 1 or gs[1] == 0)
-    flat = ids.reshape(-1)
-    np.testing.assert_array_equal(order, np.argsort(flat, kind="stable"))
-    np.testing.assert_array_equal(inv[order], np.arange(t * k))
-    np.testing.assert_array_equal(token, order // k)
-    np.testing.assert_array_equal(gs, np.bincount(flat, minlength=e))
-
-
-def test_topk_dispatch_gradient_regime_and_errors(rng):
-    """The kernel's weights differentiate as the reference's (its custom VJP); it takes tiles of
-    up to KERNEL_MAX_ENTRIES [token, expert] entries, larger batches run the reference; bad
-    arguments are named."""
-    lg = jnp.asarray(rng.standard_normal((24, 16)), jnp.float32)
-    ct = jnp.asarray(rng.standard_normal((24, 4)), jnp.float32)
-    for normalize in (True, False):
-        g = [jax.grad(lambda v, b=b: jnp.sum(RT.topk_dispatch(v, 4, normalize=normalize, backend=b)[1] * ct))(lg)
-             for b in ("pallas", "xla")]
-        assert np.abs(np.asarray(g[1])).max() > 0
-        np.testing.assert_allclose(np.asarray(g[0]), np.asarray(g[1]), rtol=1e-5, atol=1e-7)
-    assert RT.kernel_fits(128, 64) and RT.kernel_fits(64, 128) and not RT.kernel_fits(129, 64) and not RT.kernel_fits(64, 256)
-    big = jnp.zeros((256, 64), jnp.float32)
-    assert "pallas_call" not in str(jax.make_jaxpr(lambda v: RT.topk_dispatch(v, 8, normalize=True, backend="pallas"))(big))
-    assert RT.routing_config(64, 64).num_warps == 4 and RT.routing_config(128, 64).num_warps == 8
-    with pytest.raises(ValueError, match="k: expected"):
-        RT.topk_dispatch(lg, 17, normalize=True)
-    with pytest.raises(ValueError, match="logits: expected"):
-        RT.topk_dispatch(lg[0], 2, normalize=True)
-    with pytest.raises(ValueError, match="routing"):
-        pk.KernelConfig(routing="cuda")
 
 
 def test_fp8_matmul_close_to_float(rng):

@@ -177,9 +177,9 @@ def test_fp8_engine_stores_e4m3_experts_and_stays_near_the_trainer(params):
 @pytest.mark.slow
 def test_engine_pallas_and_xla_backends_generate_the_same(params):
     """The engine stores NVFP4 codes as uint32 code words (one storage form); the Pallas GEMMs,
-    decode attention (its caches written by the kernel, in the decode loop) and MoE routing
-    (interpreted here) and the XLA references give the same tokens, log-probs equal up to
-    accumulation order."""
+    and decode attention (its caches written by the kernel, in the decode loop; interpreted
+    here) and the XLA references give the same tokens, log-probs equal up to accumulation
+    order."""
     import pallas_kernels as pk
     from quads_jax import precision as P
 
@@ -187,7 +187,7 @@ def test_engine_pallas_and_xla_backends_generate_the_same(params):
     q = [Request(prompt=[1, 5, 6, 9], max_new_tokens=8, seed=3), Request(prompt=[4, 4, 7], max_new_tokens=6, seed=5)]
     out = {}
     for backend in ("pallas", "xla"):
-        kernels = pk.KernelConfig(backend=backend, decode_attention=backend, routing=backend, decode_attention_tiles=dict(block_k=16))
+        kernels = pk.KernelConfig(backend=backend, decode_attention=backend, decode_attention_tiles=dict(block_k=16))
         eng = Engine(CFG, recipe=P.rollout_recipe("quads", kernels=kernels), max_batch=2, max_len=32)
         eng.load(flat)
         assert any(getattr(l, "dtype", None) == jnp.uint32 for l in jax.tree_util.tree_leaves(eng._state))

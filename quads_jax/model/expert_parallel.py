@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as PS
 
 from quads_jax import sharding as S
-from pallas_kernels.routing import expert_positions, group_sizes_of
+from quads_jax.model.routing import expert_positions, group_sizes_of
 from quads_jax.model.moe import expert_ffn
 
 

@@ -13,10 +13,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_kernels.routing import sort_by_expert, topk_dispatch, topk_weights
 from quads_jax import precision as P
 from quads_jax.model.config import ModelConfig
 from quads_jax.model.layers import MLP, Linear, param, value
+from quads_jax.model.routing import sort_by_expert, topk_weights
 
 
 def route(logits, k: int, normalize: bool, forced=None):
@@ -67,17 +67,14 @@ def expert_ffn(xs, w_gate, w_up, w_down, group_sizes, prec: P.Precision, dtype):
     return gl(h.astype(dtype), w_down)
 
 
-def moe_ffn(x, ids, weights, w_gate, w_up, w_down, prec, dtype, dispatch=None):
+def moe_ffn(x, ids, weights, w_gate, w_up, w_down, prec, dtype):
     """Dropless MoE FFN for tokens x [N, d] with top-k ids/weights [N, k].
 
     Rows move by permutations only: the N*k (token, slot) rows are permuted into expert order
     and back (gathers of unique indices, whose gradients are permutations too), and each
-    token's k outputs are summed in slot order. No scatter-add, no [N*k, E] tensor.
-    ``dispatch``: (order, inv, token, group_sizes) of ``ids`` when the router computed them
-    (``routing.topk_dispatch``), else ``sort_by_expert`` runs here."""
+    token's k outputs are summed in slot order. No scatter-add, no [N*k, E] tensor."""
     n, k = ids.shape
-    n_experts = w_gate.shape[0]
-    order, inv, token, group_sizes = dispatch or sort_by_expert(ids, n_experts)
+    order, inv, token, group_sizes = sort_by_expert(ids, w_gate.shape[0])
     # NVFP4 rollouts quantize the N tokens once (per-token scales), not their N x k copies,
     # and the gate and up GEMMs share that: the same numbers as quantizing the sorted rows
     xin = P.quantize_rows_for(x, w_gate, prec.mode("experts"), rac_ratio=prec.rac_ratio, rac_sum=prec.rac_sum,
@@ -119,16 +116,9 @@ class MoE(nnx.Module):
         logits = self.router(xf, prec, jnp.float32)
         k = cfg.experts_per_token
         ws = (value(self.w_gate), value(self.w_up), value(self.w_down))
-        if forced is None and expert_fn is None:
-            # top-k and dispatch together: one kernel at the decode step's batches under
-            # KernelConfig.routing="pallas" (pallas_kernels.routing), the reference otherwise
-            ids, w, *dispatch = topk_dispatch(logits, k, normalize=cfg.norm_topk_prob, backend=prec.kernels.resolved_routing())
-            probs = jax.nn.softmax(logits, axis=-1)  # for the auxiliary loss only: dead code in a decode step
-            y = moe_ffn(xf, ids, w, *ws, prec, dt, dispatch=tuple(dispatch))
-        else:
-            fflat = None if forced is None else forced.reshape(b * t, -1)
-            probs, ids, w = route(logits, k, cfg.norm_topk_prob, fflat)
-            y = (expert_fn or moe_ffn)(xf, ids, w, *ws, prec, dt)
+        fflat = None if forced is None else forced.reshape(b * t, -1)
+        probs, ids, w = route(logits, k, cfg.norm_topk_prob, fflat)  # probs: the auxiliary loss's (dead in a decode step)
+        y = (expert_fn or moe_ffn)(xf, ids, w, *ws, prec, dt)
         if self.shared is not None:
             gate = jax.nn.sigmoid(self.shared_gate(xf, prec, jnp.float32))
             y = (y.astype(jnp.float32) + gate * self.shared(xf, prec, dt).astype(jnp.float32)).astype(dt)
