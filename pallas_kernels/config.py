@@ -27,6 +27,15 @@ Fields (each validated here, with a one-line error naming the field):
                (benchmarks/results/2026-12-05-h100-train-tiles).
     decode_attention_tiles  the Pallas decode attention's ``DecodeAttentionConfig`` (or a dict
                of its fields).
+    command_buffers  how the rollout engine's compiled programs (prefill, decode steps)
+               launch their kernels, as XLA compiler options of those programs
+               (``compiler_options()``): "xla" (XLA's defaults), "off" (each kernel launched
+               from the host), "kernels" (CUDA graphs around runs of at least two fusions,
+               cuBLASLt GEMMs and custom calls, the Pallas kernels among them; the decode loop
+               itself stays on the host) or "loops" (the decode loop and conditionals captured
+               too). A decode step of a small MoE is dozens of short kernels whose launch
+               gaps are a large part of its time; which form is fastest is measured per
+               device (benchmarks/bench_rollout.py, ``--recipes name@command_buffers=...``).
 
 "auto" resolves from the platform the computation is traced for, never from process state,
 so the same config gives the same program on the same machine.
@@ -43,6 +52,13 @@ BACKENDS = ("pallas", "xla")
 GROUPED = ("tokamax", "xla")
 ATTENTION = ("cudnn", "tokamax", "xla")
 DECODE_ATTENTION = ("pallas", "xla")
+_GRAPHED = "FUSION,CUBLASLT,CUSTOM_CALL"
+COMMAND_BUFFERS = {
+    "xla": None,
+    "off": {"xla_gpu_enable_command_buffer": ""},
+    "kernels": {"xla_gpu_enable_command_buffer": _GRAPHED, "xla_gpu_graph_min_graph_size": 2},
+    "loops": {"xla_gpu_enable_command_buffer": _GRAPHED + ",WHILE,CONDITIONAL", "xla_gpu_graph_min_graph_size": 2},
+}
 
 
 def _on_gpu() -> bool:
@@ -168,6 +184,7 @@ class KernelConfig:
     decode_attention: str = "auto"
     grouped_tiles: GroupedTiles = DEFAULT_GROUPED_TILES
     decode_attention_tiles: DecodeAttentionConfig = DecodeAttentionConfig()
+    command_buffers: str = "xla"
 
     def __post_init__(self):
         for name, allowed in (("backend", BACKENDS), ("grouped", GROUPED), ("attention", ATTENTION),
@@ -181,6 +198,14 @@ class KernelConfig:
             object.__setattr__(self, "decode_attention_tiles", DecodeAttentionConfig(**self.decode_attention_tiles))
         if not isinstance(self.decode_attention_tiles, DecodeAttentionConfig):
             raise ValueError(f"kernels.decode_attention_tiles={self.decode_attention_tiles!r}: expected a DecodeAttentionConfig or a dict of its fields")
+        if self.command_buffers not in COMMAND_BUFFERS:
+            raise ValueError(f"kernels.command_buffers={self.command_buffers!r}: expected one of {tuple(COMMAND_BUFFERS)}")
+
+    def compiler_options(self) -> dict | None:
+        """The XLA compiler options of ``command_buffers`` for ``jax.jit(compiler_options=...)``
+        (None: XLA's defaults). GPU options: a CPU compile accepts and ignores them."""
+        opts = COMMAND_BUFFERS[self.command_buffers]
+        return None if opts is None else dict(opts)
 
     def resolved_backend(self) -> str:
         return _pick("backend", self.backend, BACKENDS, "pallas")

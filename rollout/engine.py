@@ -171,8 +171,11 @@ class Engine:
 
         self._prepare = jax.jit(prep)
         self._rgraph = nnx.split(nnx.eval_shape(lambda: prepare_for_rollout(Transformer(cfg, rngs=nnx.Rngs(0)), recipe_)))[0]
-        self._step = jax.jit(self._step_impl, donate_argnames=("cache",), static_argnames=("filtered",))
-        self._burst = jax.jit(self._burst_impl, donate_argnames=("cache",), static_argnames=("filtered", "want_top"))
+        # the recipe's KernelConfig.command_buffers: how the prefill and decode programs launch kernels
+        xla = self.recipe.kernels.compiler_options()
+        self._step = jax.jit(self._step_impl, donate_argnames=("cache",), static_argnames=("filtered",), compiler_options=xla)
+        self._burst = jax.jit(self._burst_impl, donate_argnames=("cache",), static_argnames=("filtered", "want_top"),
+                              compiler_options=xla)
 
     # -- weights
     def load(self, params: dict, version=None):

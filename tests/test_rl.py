@@ -155,6 +155,29 @@ def test_engine_stop_tokens_experts_and_errors(params):
         eng.generate([Request(prompt=[1, 999], max_new_tokens=2)])
 
 
+def test_engine_compiles_with_the_recipes_command_buffers(params):
+    """KernelConfig.command_buffers reaches the engine's programs as XLA compiler options: a
+    CPU compile accepts and ignores the GPU ones, so the tokens equal the default engine's;
+    an unknown form is named."""
+    import pallas_kernels as pk
+    from quads_jax import precision as P
+
+    flat, _ = params
+    assert pk.KernelConfig().compiler_options() is None
+    assert pk.KernelConfig(command_buffers="off").compiler_options() == {"xla_gpu_enable_command_buffer": ""}
+    loops = pk.KernelConfig(command_buffers="loops").compiler_options()
+    assert loops["xla_gpu_enable_command_buffer"].split(",")[-2:] == ["WHILE", "CONDITIONAL"]
+    q = [Request(prompt=[1, 5, 6, 9], max_new_tokens=5, seed=3)]
+    out = []
+    for form in ("xla", "kernels"):
+        eng = Engine(CFG, recipe=P.rollout_recipe("bf16", kernels=pk.KernelConfig(command_buffers=form)), max_batch=2, max_len=32)
+        eng.load(flat)
+        out.append(eng.generate(q)[0].output_ids)
+    assert out[0] == out[1] and len(out[0]) == 5
+    with pytest.raises(ValueError, match="kernels.command_buffers='graphs'"):
+        pk.KernelConfig.from_dict({"command_buffers": "graphs"})
+
+
 def test_fp8_engine_stores_e4m3_experts_and_stays_near_the_trainer(params):
     """The fp8 recipe (expert weights stored [E, N, K] in E4M3, as tokamax's FP8 kernel reads
     them) scores its own samples close to the BF16 trainer, but not equal to it: the weights
