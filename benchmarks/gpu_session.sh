@@ -4,11 +4,8 @@
 # stages and their order:
 #   gpu_tests      pytest -m gpu: every compiled kernel against its XLA reference (GPU_TESTS_K: a -k expression)
 #   kernels        benchmarks/bench_kernels.py: the kernel registry, checked then timed (KERNEL_REGIMES, KERNEL_MATCH)
-#   rollout_scale  benchmarks/bench_rollout.py: decode steps through the engine vs their byte limit (ROLLOUT_SCALE_ARGS)
-#   rollout_flags  the same with XLA_FLAGS=$ROLLOUT_XLA_FLAGS (default: command buffers around fusions, cuBLASLt
-#                  GEMMs and custom calls, Pallas kernels among them, but not loops or conditionals: with
-#                  WHILE and CONDITIONAL too the quads step was 22% slower, 2026-12-06-h100-defaults), to size
-#                  the launch gaps (ROLLOUT_FLAGS_ARGS, ROLLOUT_FLAGS_CAP: default the rollout_scale stage's)
+#   rollout_scale  benchmarks/bench_rollout.py: decode steps through the engine vs their byte limit (ROLLOUT_SCALE_ARGS;
+#                  recipes may set KernelConfig fields, e.g. quads@command_buffers=kernels, to compare in one process)
 #   train          benchmarks/bench_train.py: the train step per config (TRAIN_ARGS)
 # The device returns only a few files: each stage's log and outputs are appended to one tar,
 # $OUT/results.tar (extract with tar -xf), and removed.
@@ -40,12 +37,8 @@ run_stage() {
                --match "${KERNEL_MATCH:-}" ;;
     rollout_scale) stage "${ROLLOUT_SCALE_CAP:-330}" rollout_scale python3 benchmarks/bench_rollout.py --out "$o/rollout_scale" \
                      --budget $(( ${ROLLOUT_SCALE_CAP:-330} - 30 )) ${ROLLOUT_SCALE_ARGS:-} ;;
-    rollout_flags) XLA_FLAGS="${ROLLOUT_XLA_FLAGS:---xla_gpu_enable_command_buffer=FUSION,CUBLASLT,CUSTOM_CALL --xla_gpu_graph_min_graph_size=2}" \
-                     stage "${ROLLOUT_FLAGS_CAP:-${ROLLOUT_SCALE_CAP:-330}}" rollout_flags python3 benchmarks/bench_rollout.py \
-                     --out "$o/rollout_flags" --budget $(( ${ROLLOUT_FLAGS_CAP:-${ROLLOUT_SCALE_CAP:-330}} - 30 )) \
-                     ${ROLLOUT_FLAGS_ARGS:-${ROLLOUT_SCALE_ARGS:-}} ;;
     train) stage "${TRAIN_CAP:-330}" train python3 benchmarks/bench_train.py --out "$o/train" --budget $(( ${TRAIN_CAP:-330} - 90 )) ${TRAIN_ARGS:-} ;;
-    *) echo "unknown stage $1 (expected gpu_tests, kernels, rollout_scale, rollout_flags or train)"; return 1 ;;
+    *) echo "unknown stage $1 (expected gpu_tests, kernels, rollout_scale or train)"; return 1 ;;
   esac
 }
 for s in $STAGES; do run_stage "$s"; done
