@@ -204,11 +204,12 @@ def _store_operand(a_ref, rows_idx, rows_ok, start, quantized, residual, rows, c
         plgpu.store(a_ref.at[rows_idx, cols], v.reshape(rows, c // 2).astype(jnp.float16), mask=rows_ok)
 
 
-def _program_rows(x_ref, *, t, k, cfg, arith, interpret):
+def _program_rows(x_ref, *, t, k, cfg, arith, interpret, g_ref=None):
     """What every quantizer program starts from: its rows (slice, in-range mask), its j-th
     owned chunk's start channel and its blocks' slice of a [T, K/16] array, the chunks loaded,
     the whole row's chunks (parts > 1: for the amax and the residual energies; None
-    otherwise) and the global scales [bm, 1]."""
+    otherwise) and the global scales [bm, 1]. ``g_ref``: the global scales the energy pass
+    wrote (the same bits: a max is exact in any order); then no program loads its whole row."""
     bm, c, own = cfg.block_rows, cfg.chunk, k // cfg.parts
     i, p = pl.program_id(0), pl.program_id(1)
     row_sl = pl.ds(i * bm, bm)
@@ -218,17 +219,20 @@ def _program_rows(x_ref, *, t, k, cfg, arith, interpret):
     # never a division: see gemm_tile_loop); with parts > 1 the whole row is loaded too, for
     # the amax and the residual energies, and kept in registers (K / (32 num_warps) a thread)
     at = lambda j: p * own + j * c
-    row = [load(j * c) for j in range(k // c)] if cfg.parts > 1 else None
+    row = [load(j * c) for j in range(k // c)] if cfg.parts > 1 and g_ref is None else None
     chunks = [load(at(j)) for j in range(own // c)]
     blocks = lambda j: pl.ds(p * (own // 16) + j * (c // 16), c // 16)
-    return row_sl, row_ok, at, blocks, chunks, row, _row_global_scale(row or chunks, arith)
+    gx = _row_global_scale(row or chunks, arith) if g_ref is None else plgpu.load(g_ref.at[row_sl, :], mask=row_ok, other=1.0)
+    return row_sl, row_ok, at, blocks, chunks, row, gx
 
 
-def _energy_kernel(x_ref, e_ref, *, t, k, cfg, arith, interpret):
+def _energy_kernel(x_ref, e_ref, g_ref, *, t, k, cfg, arith, interpret):
     """The first pass of ``select="split"`` and "energies": the residual energies of the owned
     blocks, e_ref [T, W] with W = K/16 rounded up to a power of two, the columns from K/16 on
-    written -1.0 by each row's first program."""
+    written -1.0 by each row's first program; and the global scales g_ref [T, 1], which the
+    quantizer reads instead of loading its whole row again."""
     row_sl, row_ok, _, blocks, chunks, _, gx = _program_rows(x_ref, t=t, k=k, cfg=cfg, arith=arith, interpret=interpret)
+    plgpu.store(g_ref.at[row_sl, :], gx, mask=row_ok & (pl.program_id(1) == 0))
     for j, (xe, xo) in enumerate(chunks):
         e = _residual(_quantize_chunk(xe, xo, gx, cfg.block_rows, cfg.chunk, arith), gx, arith)[-1]  # [bm, c / 16]
         plgpu.store(e_ref.at[row_sl, blocks(j)], e, mask=row_ok)
@@ -239,15 +243,17 @@ def _energy_kernel(x_ref, e_ref, *, t, k, cfg, arith, interpret):
                     mask=row_ok & pad & (pl.program_id(1) == 0))
 
 
-def _quant_kernel(x_ref, sel_ref, a_ref, gx_ref, *, t, k, cfg, n_sel, arith, interpret, order):
+def _quant_kernel(x_ref, sel_ref, g_ref, a_ref, gx_ref, *, t, k, cfg, n_sel, arith, interpret, order):
     """One program: ``block_rows`` token rows x the channels of part ``program_id(1)``.
     Inputs: x [T, K] and ``sel_ref`` [T, K/16]: for ``select="split"`` the selected blocks
-    (int8), for "energies" the residual energies (float32), else None. Outputs: the FP16
-    operand ``a_ref`` [rows, K] in the column ``order`` (rows from T on written as zeros) and
-    the per-token global scales ``gx_ref`` [T, 1]."""
+    (int8), for "energies" the residual energies (float32), else None; ``g_ref`` the energy
+    pass's global scales [T, 1] with either, else None. Outputs: the FP16 operand ``a_ref``
+    [rows, K] in the column ``order`` (rows from T on written as zeros) and the per-token
+    global scales ``gx_ref`` [T, 1]."""
     bm, c = cfg.block_rows, cfg.chunk
     i, p = pl.program_id(0), pl.program_id(1)
-    row_sl, row_ok, at, blocks, chunks, row, gx = _program_rows(x_ref, t=t, k=k, cfg=cfg, arith=arith, interpret=interpret)
+    row_sl, row_ok, at, blocks, chunks, row, gx = _program_rows(x_ref, t=t, k=k, cfg=cfg, arith=arith, interpret=interpret,
+                                                                 g_ref=g_ref)
     plgpu.store(gx_ref.at[row_sl, :], gx, mask=row_ok & (p == 0))
     owned = [_quantize_chunk(xe, xo, gx, bm, c, arith) for xe, xo in chunks]
     second = [None] * len(owned)
@@ -302,12 +308,12 @@ def _quant_call(x, *, n_sel, cfg, interpret, order, rows):
     t, k = x.shape
     arith = kernel_arith(interpret)
     params = plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    sel = None
+    sel = g = None
     if cfg.select in ("split", "energies") and 0 < n_sel < k // 16:
         width = k // 16 if cfg.select == "split" else pl.next_power_of_2(k // 16)
-        e = pl.pallas_call(
+        e, g = pl.pallas_call(
             functools.partial(_energy_kernel, t=t, k=k, cfg=cfg, arith=arith, interpret=interpret),
-            out_shape=jax.ShapeDtypeStruct((x.shape[0], width), jnp.float32),
+            out_shape=(jax.ShapeDtypeStruct((x.shape[0], width), jnp.float32), jax.ShapeDtypeStruct((x.shape[0], 1), jnp.float32)),
             grid=(pl.cdiv(x.shape[0], cfg.block_rows), cfg.parts), compiler_params=params, interpret=interpret,
             name="nvfp4_residual_energies",
         )(x)
@@ -319,7 +325,7 @@ def _quant_call(x, *, n_sel, cfg, interpret, order, rows):
         compiler_params=params,
         interpret=interpret,
         name="nvfp4_quantize_activations",
-    )(x, sel)
+    )(x, sel, g)
 
 
 # ----------------------------------------------------------------------------- public API
