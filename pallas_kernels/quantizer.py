@@ -14,7 +14,9 @@ Kernel layout: the grid is (token rows / ``block_rows``, ``parts``). Program (i,
 the channels [p K / parts, (p + 1) K / parts) of its tokens: it quantizes and stores only
 those. What needs the whole row (the per-token amax, RAC's residual energies for the
 selection) it computes from the whole row, loaded again by each of the row's programs (a
-few KB from L2), so the bits do not depend on ``parts``. At decode sizes this is what keeps
+few KB from L2), so the bits do not depend on ``parts``; where a first kernel computes the
+energies (``select="split"`` or "energies") it also writes the global scales, and the quantizer
+loads those instead of its whole row. At decode sizes ``parts`` is what keeps
 the chip busy: 16 tokens are 16 programs, one a row, and RAC's selection is the longest
 serial work in them; ``parts`` spreads each row's selection and stores over several programs.
 Rows are walked in chunks of ``chunk`` channels (a power of two dividing K / parts), each
