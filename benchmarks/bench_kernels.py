@@ -117,25 +117,20 @@ def quant_cases(tiny: bool):
             shape = f"T{t} K{k} rho{rho}"
             nbytes = t * k * 4  # read BF16, write FP16
             variants = {"default": base}
-            if rho < 1:  # one program a row: on the H100 7-50x slower with 512- and 1024-channel chunks
-                # (why is open), not with 256 (2026-12-06-h100-fp16-decode): one launch for RAC
-                variants["one program a row"] = dataclasses.replace(base, parts=1)
-                if base.chunk > 256 and k // 16 <= pk.RANK_MAX_BLOCKS:
-                    variants["one program a row, chunk 256"] = dataclasses.replace(base, parts=1, chunk=256, select="rank")
-                # the whole row in one program ranks its own energies: one launch where the
-                # default's energies take two (the batch-64 step's down projection, 512 x 512)
-                if rho == 0.5 and base.parts > 1 and base.select != "rank" and k // 16 <= pk.RANK_MAX_BLOCKS:
-                    variants["one program a row, select rank"] = dataclasses.replace(base, parts=1, select="rank")
-            # smaller chunks at the default layout (warps as quant_config gives them: 4 with
-            # 256-channel chunks of a part row), and the in-kernel rank with them: one launch for RAC
+            rankable = k // 16 <= pk.RANK_MAX_BLOCKS
+            # the one-launch form for RAC: a program owns its row in 256-channel chunks and
+            # ranks its own energies. With whole-row 512- and 1024-channel chunks one program a
+            # row measured 7-50x slower, and the in-kernel rank at larger chunks 2-68x slower
+            # (2026-12-07-h100-command-buffers): those forms left the registry
+            if rho < 1 and rankable and (base.parts > 1 or base.chunk > 256):
+                variants["one program a row, chunk 256"] = dataclasses.replace(base, parts=1, chunk=256, num_warps=8, select="rank")
+            # other chunks at the default layout (warps as quant_config gives them)
             for c in (256, 512):
-                if c < base.chunk and rho < 1:
-                    variants[f"chunk {c}"] = dataclasses.replace(base, chunk=c, num_warps=8 if c >= 512 else 4)
-                    if rho == 0.5 and k // 16 <= pk.RANK_MAX_BLOCKS and base.select != "rank":
-                        variants[f"select rank, chunk {c}"] = dataclasses.replace(variants[f"chunk {c}"], select="rank")
-            if rho == 0.5:  # the other selection and warp counts
+                if c != base.chunk and (k // base.parts) % c == 0 and rho < 1:
+                    variants[f"chunk {c}"] = dataclasses.replace(base, chunk=c, num_warps=8 if c >= 512 or base.parts == 1 else 4)
+            if rho == 0.5:  # the other selections
                 variants.update({f"select {s}": dataclasses.replace(base, select=s) for s in ("rank", "split", "energies")
-                                 if s != base.select and (s == "split" or k // 16 <= pk.RANK_MAX_BLOCKS)})
+                                 if s != base.select and (s == "split" or rankable)})
             if rho == 0.5 or (rho == 0 and base.chunk <= 256):  # 256-channel chunks: warps mattered 4.8x (T64 K768)
                 variants.update({f"{w} warps": dataclasses.replace(base, num_warps=w) for w in (4, 8, 16) if w != base.num_warps})
             for name, c in variants.items():
@@ -155,9 +150,10 @@ def dense_cases(tiny: bool):
     from quads_jax.precision import prepare_weight
 
     rng = np.random.default_rng(1)
-    # (t, 1024, 1536): the bench model's fused QKV projection at rollout batches
-    shapes = [(8, 64, 128)] if tiny else ([(t, 1024, 2048) for t in (16, 64, 256, 4096)] + [(t, 4096, 14336) for t in (16, 64, 256)]
-                                          + [(t, 1024, 1536) for t in (64, 256)])
+    # (t, 1024, 1536): the bench model's fused QKV projection at rollout batches; (t, 4096, 14336):
+    # an 8B-class MLP's up projection at decode and mid-batch sizes; (4096, 1024, 2048): prefill
+    shapes = [(8, 64, 128)] if tiny else ([(t, 1024, 1536) for t in (64, 256)] + [(t, 4096, 14336) for t in (16, 64, 256)]
+                                          + [(4096, 1024, 2048)])
     dot_nt = lambda a, b: jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32).astype(jnp.bfloat16)
     cases = []
     for t, k, n in shapes:
@@ -267,16 +263,14 @@ def grouped_cases(tiny: bool):
             # expert): 64-wide N tiles re-read the FP16 token rows twice as often, M tiles of the
             # mean rows read an expert's weight tile twice where its rows exceed the mean
             base = pk.gemm_config(-(-t * topk // e), n, k, programs_per_row_tile=e)
-            # K tiles of 256 (half the loop steps, twice the bytes a load) and split K (twice the
-            # programs, each half as long): whether the decode-size items are latency-bound
-            tiles = {} if tiny or not name.startswith("bench") else {
-                f"bm{bm} bn{bn} bk{bk} split{sp} w{w} s{st}": dataclasses.replace(base, block_m=bm, block_n=bn, block_k=bk, split_k=sp,
-                                                                             num_warps=w, num_stages=st)
-                for bm, bn, bk, sp, w, st in ((base.block_m, 64, base.block_k, 1, 4, 4), (max(16, base.block_m // 2), 128, base.block_k, 1, 4, 4),
-                                              (base.block_m, 128, base.block_k, 1, 4, 4),
-                                              (base.block_m, 256, base.block_k, 1, 8, 3), (base.block_m, 128, base.block_k, 1, 4, 2),
-                                              (base.block_m, 128, base.block_k, 1, 8, 4), (base.block_m, 128, 256, 1, 4, 3),
-                                              (base.block_m, 128, base.block_k, 2, 4, 4))}
+            # K tiles of 256 (half the loop steps, twice the bytes a load): whether the
+            # decode-size items are latency-bound. At the rollout's batch 64 only; 64-wide N
+            # tiles and split K, slower at every shape (2026-12-07-h100-tail), left the registry
+            tiles = {} if tiny or not name.startswith("bench") or t != 64 else {
+                f"bm{bm} bn{bn} bk{bk} w{w} s{st}": dataclasses.replace(base, block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=st)
+                for bm, bn, bk, w, st in ((max(16, base.block_m // 2), 128, base.block_k, 4, 4), (base.block_m, 128, base.block_k, 4, 4),
+                                          (base.block_m, 256, base.block_k, 8, 3), (base.block_m, 128, base.block_k, 4, 2),
+                                          (base.block_m, 128, base.block_k, 8, 4), (base.block_m, 128, 256, 4, 3))}
             tiles = {k: c for k, c in tiles.items() if c != base}
             for op, rho, mode in (("w4a4+rac0.5", 0.5, "w4a4"), ("w4a4", 0.0, "w4a4"), ("w4a16", 0.0, "w4a16")):
                 ref = ours(rho, mode, "xla")
@@ -484,6 +478,34 @@ def run_case(c: Case, measure, ceil: dict, refs: dict) -> dict:
     return row
 
 
+def precompile(cases: list[Case], workers: int, deadline: float) -> None:
+    """Compile every case (and, for the bit checks, its CPU reference) on ``workers`` threads
+    before any is timed: jit's caches keep the executables, so the serial runs that follow
+    skip their compiles, and no compile (GEMM autotuning launches kernels) runs while CUPTI
+    times another case. Cases not started by ``deadline`` compile in their run; a failing
+    compile is left for its run to report."""
+    import concurrent.futures as cf
+
+    import jax
+
+    cpu = jax.devices("cpu")[0]
+
+    def one(c: Case):
+        if time.time() > deadline:
+            return
+        for fn, on_cpu in ((c.fn, False), (c.ref, c.exact)):
+            if fn is None:
+                continue
+            try:  # under the device context run_case uses: it is part of jit's cache key
+                with jax.default_device(cpu if on_cpu else None):
+                    jax.jit(fn).lower(*(jax.device_put(c.args, cpu) if on_cpu else c.args)).compile()
+            except Exception:
+                pass
+
+    with cf.ThreadPoolExecutor(max(1, workers)) as pool:
+        list(pool.map(one, cases))
+
+
 def mark_fastest(rows: list[dict]) -> None:
     """For each kept row: whether it was the fastest implementation of its op at its shape."""
     for r in rows:
@@ -528,6 +550,8 @@ def main():
     ap.add_argument("--budget", type=float, default=1e9, help="seconds: no case starts after this")
     ap.add_argument("--tiny", action="store_true", help="small sizes: checks the harness on a CPU")
     ap.add_argument("--match", default="", help="a regular expression: only cases whose 'shape | op | implementation' it finds run")
+    ap.add_argument("--compile-workers", type=int, default=min(8, os.cpu_count() or 1),
+                    help="threads compiling a regime's cases before they are timed (1: compile each in its run)")
     a = ap.parse_args()
     unknown = set(a.regimes.split(",")) - set(REGIMES)
     if unknown:
@@ -544,7 +568,12 @@ def main():
             res.data["errors"][regime] = f"{type(e).__name__}: {e}"[:600]
             continue
         refs: dict = {}
-        for c in [c for c in cases if re.search(a.match, f"{c.shape} | {c.op} | {c.impl}")]:
+        cases = [c for c in cases if re.search(a.match, f"{c.shape} | {c.op} | {c.impl}")]
+        if a.compile_workers > 1:
+            t0 = time.time()
+            precompile(cases, a.compile_workers, t_end)
+            print(f"[{regime}] {len(cases)} cases compiled on {a.compile_workers} threads in {time.time() - t0:.0f}s", flush=True)
+        for c in cases:
             if time.time() > t_end:
                 rows.append({"shape": c.shape, "op": c.op, "impl": c.impl, "error": "skipped: time budget"})
                 continue

@@ -3,7 +3,8 @@
 # own time cap, and what a stage measured survives a later one's failure. STAGES picks the
 # stages and their order:
 #   gpu_tests      pytest -m gpu: every compiled kernel against its XLA reference (GPU_TESTS_K: a -k expression)
-#   kernels        benchmarks/bench_kernels.py: the kernel registry, checked then timed (KERNEL_REGIMES, KERNEL_MATCH)
+#   kernels        benchmarks/bench_kernels.py: the kernel registry, compiled on threads, checked then timed
+#                  (KERNEL_REGIMES, KERNEL_MATCH, KERNEL_COMPILE_WORKERS: 8; 1 compiles each case in its run)
 #   rollout_scale  benchmarks/bench_rollout.py: decode steps through the engine vs their byte limit (ROLLOUT_SCALE_ARGS;
 #                  recipes may set KernelConfig fields, e.g. quads@command_buffers=kernels, to compare in one process)
 #   train          benchmarks/bench_train.py: the train step per config (TRAIN_ARGS)
@@ -34,7 +35,7 @@ run_stage() {
                  ${GPU_TESTS_K:+-k "$GPU_TESTS_K"} ;;
     kernels) stage "${KERNELS_CAP:-240}" kernels python3 benchmarks/bench_kernels.py --out "$o/kernels" \
                --regimes "${KERNEL_REGIMES:-quant,weight_quant,dense,grouped,train_grouped,attention,routing}" --budget $(( ${KERNELS_CAP:-240} - 20 )) \
-               --match "${KERNEL_MATCH:-}" ;;
+               --match "${KERNEL_MATCH:-}" --compile-workers "${KERNEL_COMPILE_WORKERS:-8}" ;;
     rollout_scale) stage "${ROLLOUT_SCALE_CAP:-330}" rollout_scale python3 benchmarks/bench_rollout.py --out "$o/rollout_scale" \
                      --budget $(( ${ROLLOUT_SCALE_CAP:-330} - 30 )) ${ROLLOUT_SCALE_ARGS:-} ;;
     train) stage "${TRAIN_CAP:-330}" train python3 benchmarks/bench_train.py --out "$o/train" --budget $(( ${TRAIN_CAP:-330} - 90 )) ${TRAIN_ARGS:-} ;;

@@ -231,10 +231,11 @@ def test_quantizer_jitted_on_gpu_equals_the_cpu_reference(t, k):
 
 
 @pytest.mark.parametrize("t,k", [(16, 2048), (256, 2048)])
-@pytest.mark.parametrize("tiles", [dict(parts=1), dict(parts=1, num_warps=1), dict(num_warps=4)], ids=["one_row", "warp_row", "w4"])
+@pytest.mark.parametrize("tiles", [dict(parts=1), dict(num_warps=4)], ids=["one_row", "w4"])
 def test_per_token_quantizer_tiles_and_selections_are_bit_identical(t, k, tiles):
-    """Other tiles (one program a row, one warp a row, fewer warps) and the explicit
-    selections give the default's bits."""
+    """Other tiles (one program a row, fewer warps) and the explicit selections give the
+    default's bits. (One warp a row compiled for 75-83 s a case on an H100 and no config
+    picks it.)"""
     import dataclasses
 
     from pallas_kernels.quantizer import quant_config

@@ -634,12 +634,14 @@ def test_split_selection_with_two_rows_a_program_and_padded_rows(rng):
 def test_selections_of_rows_of_any_block_count(rng):
     """``select="energies"`` with a block count that is not a power of two (48 and 24 blocks: the
     first kernel pads each row's energies to 64 / 32 with -1.0, which no real energy is below),
-    and the in-kernel rank over 48 blocks (quant_config's choice at K = 768): the reference's bits
+    and the in-kernel rank over 48 blocks (quant_config's choice at K = 768) and over two rows of
+    two chunks (its choice for prefill's 512-channel rows): the reference's bits
     with ties across the boundary and an all-zero row, one and several programs a row, T not a
     multiple of the row tile."""
     for t, k, cfg, rho in ((5, 768, pk.QuantConfig(chunk=256, select="energies"), 0.5),
                            (9, 384, pk.QuantConfig(block_rows=2, chunk=64, parts=2, select="energies"), 0.25),
-                           (5, 768, pk.quant_config(64, 768), 0.5)):
+                           (5, 768, pk.quant_config(64, 768), 0.5),
+                           (5, 512, pk.quant_config(2048, 512), 0.5)):  # two rows a program, two chunks a row
         x = heavy(rng, (t, k))
         blocks = x.reshape(t, k // 16, 16)
         blocks[1] = blocks[1, :1]  # all tie: every block selected
@@ -693,6 +695,9 @@ def test_quant_config_splits_rows_at_decode_sizes():
         whole_row_of_256 = cfg.chunk == 256 and cfg.parts == 1
         assert cfg.chunk // 2 >= 32 * cfg.num_warps if not whole_row_of_256 else cfg.num_warps == 8
     assert quant_config(512, 512).num_warps == 4  # half rows of 256 channels
+    # two whole rows of 512 channels a program: 256-channel chunks, 8 warps (as for K = 768)
+    assert (quant_config(2048, 512).chunk, quant_config(2048, 512).num_warps) == (256, 8)
+    assert quant_config(2048, 1024).chunk == 512  # two parts of a row: chunks as before
 
 
 # split ranks in XLA only past RANK_MAX_BLOCKS by default (test_split_selection_of_long_rows_...)
