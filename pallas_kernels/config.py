@@ -29,13 +29,16 @@ Fields (each validated here, with a one-line error naming the field):
                of its fields).
     command_buffers  how the rollout engine's compiled programs (prefill, decode steps)
                launch their kernels, as XLA compiler options of those programs
-               (``compiler_options()``): "xla" (XLA's defaults), "off" (each kernel launched
-               from the host), "kernels" (CUDA graphs around runs of at least two fusions,
-               cuBLASLt GEMMs and custom calls, the Pallas kernels among them; the decode loop
-               itself stays on the host) or "loops" (the decode loop and conditionals captured
-               too). A decode step of a small MoE is dozens of short kernels whose launch
-               gaps are a large part of its time; which form is fastest is measured per
-               device (benchmarks/bench_rollout.py, ``--recipes name@command_buffers=...``).
+               (``compiler_options()``): "kernels", the default (CUDA graphs around runs of
+               at least two fusions, cuBLASLt GEMMs and custom calls, the Pallas kernels among
+               them; the decode loop itself stays on the host), "xla" (XLA's defaults), "off"
+               (each kernel launched from the host) or "loops" (the decode loop and
+               conditionals captured too). A decode step of a small MoE is hundreds of short
+               kernels whose launches are a large part of its time. On an H100 "kernels" made
+               the NVFP4 recipes' whole generations 8-17% faster than "xla" and "loops" was
+               slower (benchmarks/results/2026-12-07-h100-command-buffers,
+               2026-12-06-h100-defaults); ``bench_rollout.py --recipes name@command_buffers=...``
+               compares them on another device. A CPU compile ignores the options.
 
 "auto" resolves from the platform the computation is traced for, never from process state,
 so the same config gives the same program on the same machine.
@@ -184,7 +187,7 @@ class KernelConfig:
     decode_attention: str = "auto"
     grouped_tiles: GroupedTiles = DEFAULT_GROUPED_TILES
     decode_attention_tiles: DecodeAttentionConfig = DecodeAttentionConfig()
-    command_buffers: str = "xla"
+    command_buffers: str = "kernels"
 
     def __post_init__(self):
         for name, allowed in (("backend", BACKENDS), ("grouped", GROUPED), ("attention", ATTENTION),

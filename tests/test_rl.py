@@ -163,7 +163,9 @@ def test_engine_compiles_with_the_recipes_command_buffers(params):
     from quads_jax import precision as P
 
     flat, _ = params
-    assert pk.KernelConfig().compiler_options() is None
+    assert pk.KernelConfig(command_buffers="xla").compiler_options() is None
+    graphed = pk.KernelConfig().compiler_options()  # the default: graphs around kernels, not the loop
+    assert graphed["xla_gpu_enable_command_buffer"] == "FUSION,CUBLASLT,CUSTOM_CALL"
     assert pk.KernelConfig(command_buffers="off").compiler_options() == {"xla_gpu_enable_command_buffer": ""}
     loops = pk.KernelConfig(command_buffers="loops").compiler_options()
     assert loops["xla_gpu_enable_command_buffer"].split(",")[-2:] == ["WHILE", "CONDITIONAL"]
