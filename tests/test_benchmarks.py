@@ -74,3 +74,18 @@ ENTRY %main (c0: bf16[2,8,1,4]) -> bf16[2,8,1,4] {
 """
     assert cache_copies(hlo, "bfloat16[2,8,1,4]") == 1
     assert cache_copies(hlo.replace("%c = bf16[2,8,1,4]{3,2,1,0} copy(%a)", ""), "bf16[2,8,1,4]") == 0
+
+
+def test_speed_ratios_pair_quads_with_recipes_of_the_same_batch_and_settings():
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    from bench_rollout import speed_ratios
+
+    sw = {"quads/B64": {"step_ms": 2.0, "output_tok_per_s": 900.0},
+          "nvfp4_naive/B64": {"step_ms": 1.8, "output_tok_per_s": 1000.0},
+          "bf16/B64": {"step_ms": 3.0},  # no generation timed: no tok/s ratio
+          "nvfp4_naive/B256": {"step_ms": 1.0},  # another batch: not quads's pair
+          "quads@command_buffers=xla/B64": {"step_ms": 4.0},
+          "nvfp4_naive@command_buffers=xla/B64": {"step_ms": 3.0},
+          "fp8/B64": {"skipped": "time budget"}}
+    got = {(b, o): (round(st, 6), tp) for b, o, st, tp in speed_ratios(sw)}
+    assert got == {(64, "nvfp4_naive"): (0.9, 0.9), (64, "bf16"): (1.5, None), (64, "nvfp4_naive@command_buffers=xla"): (0.75, None)}
