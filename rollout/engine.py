@@ -369,6 +369,7 @@ class Engine:
         seeds = np.zeros(b, np.uint32)
         want_top = np.zeros(b, bool)
         want_prompt = np.zeros(b, bool)
+        stops = np.full((b, self.max_stop_ids), -1, np.int32)  # a slot's stop ids; one width: one compile
 
         stop_sets = [set(self._stop_ids(r)) for r in requests]
 
@@ -376,24 +377,29 @@ class Engine:
             return [(float(v), int(t)) for v, t in zip(vals[:n], ids[:n])]
 
         def record(rows, toks, lps, emitted, experts, top=None):
-            """Append step i's token of each row that emitted one; finish and free slots."""
-            for i in range(toks.shape[0]):
-                for s in rows:
-                    ri = slot_req[s]
-                    if ri < 0 or not emitted[i, s]:
-                        continue
-                    r, t = requests[ri], int(toks[i, s])
-                    out_ids[ri].append(t)
-                    out_lp[ri].append(float(lps[i, s]))
-                    if r.return_experts and experts is not None:
-                        out_ex[ri].append(experts[i, s].tolist())
-                    if r.top_logprobs:
-                        out_top[ri].append(pairs(top[0][i, s], top[1][i, s], r.top_logprobs))
-                    last_tok[s] = t
-                    stop = t in stop_sets[ri]
-                    if stop or len(out_ids[ri]) >= r.max_new_tokens:
-                        finish[ri] = "stop" if stop else "length"
-                        slot_req[s] = -1
+            """Append each row's emitted tokens ([steps, B] arrays); finish and free slots.
+            A row emits on a prefix of the steps (the device stops it after its first stop
+            token or its last allowed one), so only a row's last token can finish it. One
+            list operation a row, not a token: at batch 512 the host's share of a burst."""
+            counts = emitted.sum(0)
+            if not np.array_equal(emitted, np.arange(emitted.shape[0])[:, None] < counts):
+                raise RuntimeError("decode burst: a row emitted after it stopped")
+            tok_rows, lp_rows = toks.T.tolist(), lps.T.tolist()
+            rows = [s for s in rows if slot_req[s] >= 0 and counts[s]]
+            last_tok[rows] = toks[counts[rows] - 1, rows]
+            for s in rows:
+                ri, c = slot_req[s], int(counts[s])
+                r = requests[ri]
+                out_ids[ri] += tok_rows[s][:c]
+                out_lp[ri] += lp_rows[s][:c]
+                if r.return_experts and experts is not None:
+                    out_ex[ri] += experts[:c, s].tolist()
+                if r.top_logprobs:
+                    out_top[ri] += [pairs(top[0][i, s], top[1][i, s], r.top_logprobs) for i in range(c)]
+                stop = tok_rows[s][c - 1] in stop_sets[ri]
+                if stop or len(out_ids[ri]) >= r.max_new_tokens:
+                    finish[ri] = "stop" if stop else "length"
+                    slot_req[s] = -1
 
         def filtered(rows):  # whether a row of ``rows`` samples from a top-k / top-p set
             return bool(filters(topk[rows], topp[rows], vocab).any())
@@ -414,6 +420,9 @@ class Engine:
                     temp[s], topp[s], seeds[s] = r.temperature, r.top_p, r.seed
                     topk[s] = 0 if r.top_k >= vocab else r.top_k
                     want_top[s], want_prompt[s] = r.top_logprobs > 0, r.prompt_logprobs
+                    x = sorted(stop_sets[slot_req[s]])
+                    stops[s] = -1
+                    stops[s, : len(x)] = x
                 groups: dict[int, list[int]] = {}
                 for s in admit:
                     n = len(requests[slot_req[s]].prompt)
@@ -457,13 +466,9 @@ class Engine:
             # while requests wait, stop as soon as a slot is due to free; otherwise run a full burst
             due = remaining[active].min() if waiting else remaining[active].max()
             n = int(min(self.decode_burst, due))
-            table = np.full((b, self.max_stop_ids), -1, np.int32)  # one width: no compile per stop-list length
-            for s in active:
-                x = sorted(stop_sets[slot_req[s]])
-                table[s, : len(x)] = x
             any_top = bool(want_top[active].any())
             out, cache = self._burst(state, last_tok, remaining > 0, cache, temp, topp, topk, seeds, positions(),
-                                     remaining, table, np.int32(n), want_top=any_top, filtered=filtered(active))
+                                     remaining, stops, np.int32(n), want_top=any_top, filtered=filtered(active))
             if not any_top:  # the top log-probs were not computed: leave them on the device
                 out = {k: v for k, v in out.items() if not k.startswith("top_")}
             out = jax.device_get(out)

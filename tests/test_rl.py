@@ -155,6 +155,27 @@ def test_engine_stop_tokens_experts_and_errors(params):
         eng.generate([Request(prompt=[1, 999], max_new_tokens=2)])
 
 
+def test_engine_stops_a_row_inside_a_burst_and_keeps_its_neighbour(params):
+    """A stop token met inside a decode burst ends its row there: the host keeps that row's
+    tokens, log-probs, experts and top log-probs up to it, and the row beside it (another
+    length, still running) gets what it gets without the stop."""
+    flat, _ = params
+    eng = Engine(CFG, recipe="bf16", max_batch=2, max_len=40, decode_burst=4)
+    eng.load(flat)
+    a = Request(prompt=[1, 5, 6], max_new_tokens=12, seed=7, return_experts=True, top_logprobs=2)
+    b = Request(prompt=[1, 7, 8, 9], max_new_tokens=9, seed=4)
+    full_a, full_b = eng.generate([a, b])
+    ids = full_a.output_ids
+    # output 0 comes from the prefill, 1-4 from the first burst: a token first seen at 2-4
+    j = next(i for i in (2, 3, 4, 6, 7, 8) if ids[i] not in ids[:i])
+    got_a, got_b = eng.generate([dataclasses.replace(a, stop_token_ids=[ids[j]]), b])
+    assert got_a.output_ids == ids[: j + 1] and got_a.finish_reason == "stop"
+    assert got_a.logprobs == full_a.logprobs[: j + 1] and got_a.experts == full_a.experts[: j + 1]
+    assert got_a.top_logprobs == full_a.top_logprobs[: j + 1]
+    assert got_b.output_ids == full_b.output_ids and got_b.logprobs == full_b.logprobs and got_b.finish_reason == "length"
+    assert len(full_a.output_ids) == 12 and len(full_b.output_ids) == 9
+
+
 def test_engine_compiles_with_the_recipes_command_buffers(params):
     """KernelConfig.command_buffers reaches the engine's programs as XLA compiler options: a
     CPU compile accepts and ignores the GPU ones, so the tokens equal the default engine's;
