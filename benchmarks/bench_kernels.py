@@ -479,11 +479,13 @@ def run_case(c: Case, measure, ceil: dict, refs: dict) -> dict:
 
 
 def precompile(cases: list[Case], workers: int, deadline: float) -> None:
-    """Compile every case (and, for the bit checks, its CPU reference) on ``workers`` threads
-    before any is timed: jit's caches keep the executables, so the serial runs that follow
-    skip their compiles, and no compile (GEMM autotuning launches kernels) runs while CUPTI
-    times another case. Cases not started by ``deadline`` compile in their run; a failing
-    compile is left for its run to report."""
+    """Compile the cases (and, for the bit checks, their CPU references) on ``workers``
+    threads before any is timed: jit's caches keep the executables, so the serial runs that
+    follow skip those compiles, and no compile runs while CUPTI times a case. A GPU program
+    with an XLA dot is left to compile alone in its run: XLA times candidate GEMM kernels on
+    the GPU while it compiles, and concurrent compiles would skew the baselines' choices.
+    Cases not started by ``deadline`` compile in their run; a failing compile is left for its
+    run to report."""
     import concurrent.futures as cf
 
     import jax
@@ -498,7 +500,9 @@ def precompile(cases: list[Case], workers: int, deadline: float) -> None:
                 continue
             try:  # under the device context run_case uses: it is part of jit's cache key
                 with jax.default_device(cpu if on_cpu else None):
-                    jax.jit(fn).lower(*(jax.device_put(c.args, cpu) if on_cpu else c.args)).compile()
+                    lowered = jax.jit(fn).lower(*(jax.device_put(c.args, cpu) if on_cpu else c.args))
+                    if on_cpu or not re.search(r"stablehlo\.(dot_general|ragged_dot)|chlo\.ragged_dot", lowered.as_text()):
+                        lowered.compile()
             except Exception:
                 pass
 
