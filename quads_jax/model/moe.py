@@ -16,7 +16,7 @@ from flax import nnx
 from quads_jax import precision as P
 from quads_jax.model.config import ModelConfig
 from quads_jax.model.layers import MLP, Linear, param, value
-from quads_jax.model.routing import sort_by_expert, topk_weights
+from quads_jax.model.routing import sort_by_expert
 
 
 def route(logits, k: int, normalize: bool, forced=None):
@@ -24,16 +24,18 @@ def route(logits, k: int, normalize: bool, forced=None):
 
     ``forced`` [N, k] replays given experts (routing replay); weights are their probs. Rows
     whose forced ids are negative (-1) are not forced: they take their own top-k.
-    The experts are the top-k logits (softmax is increasing); the weights are
-    ``routing.topk_weights``: with ``normalize`` (top-k weights summing to one) the softmax of
-    the k chosen logits, the same numbers as the chosen probs over their sum, so the decode
-    step, which uses no probs, runs no softmax over all E experts."""
+    The experts are the top-k logits (softmax is increasing); the weights are the chosen
+    probs, or with ``normalize`` (top-k weights summing to one) the softmax of the k chosen
+    logits, the same numbers as the chosen probs over their sum, so the decode step, which
+    uses no probs, runs no softmax over all E experts."""
     lf = logits.astype(jnp.float32)
     _, ids = jax.lax.top_k(lf, k)
     if forced is not None:
         f = forced.astype(jnp.int32)
         ids = jnp.where(jnp.all(f >= 0, axis=-1, keepdims=True), f, ids)
-    return jax.nn.softmax(lf, axis=-1), ids, topk_weights(lf, ids, normalize)
+    probs = jax.nn.softmax(lf, axis=-1)
+    w = jax.nn.softmax(jnp.take_along_axis(lf, ids, axis=-1), axis=-1) if normalize else jnp.take_along_axis(probs, ids, axis=-1)
+    return probs, ids, w
 
 
 def load_balance_loss(probs, ids, n_experts: int, mask=None):

@@ -12,7 +12,6 @@ step (benchmarks/results/2026-12-07-h100-routing) and left the package.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 # assignments (tokens x k) up to which expert_positions counts by comparison: the rollout's
@@ -52,11 +51,3 @@ def sort_by_expert(ids, n_experts: int):
     order, inv = expert_positions(flat)
     return order, inv, order // ids.shape[-1], group_sizes_of(flat, n_experts)
 
-
-def topk_weights(logits, ids, normalize: bool):
-    """The weights [T, k] of the chosen experts ``ids``: the softmax of their logits
-    (``normalize``) or the softmax over all experts, taken at them. Float32."""
-    lf = logits.astype(jnp.float32)
-    if normalize:
-        return jax.nn.softmax(jnp.take_along_axis(lf, ids, axis=-1), axis=-1)
-    return jnp.take_along_axis(jax.nn.softmax(lf, axis=-1), ids, axis=-1)
