@@ -491,23 +491,27 @@ def precompile(cases: list[Case], workers: int, deadline: float) -> None:
     import jax
 
     cpu = jax.devices("cpu")[0]
+    # one job a function: the cases of a shape share their reference (run_case's key)
+    jobs = {}
+    for c in cases:
+        jobs.setdefault((c.shape, id(c.fn)), (c.fn, False, c.args))
+        if c.ref is not None:
+            jobs.setdefault((c.shape, id(c.ref)), (c.ref, c.exact, c.args))
 
-    def one(c: Case):
+    def one(job):
+        fn, on_cpu, args = job
         if time.time() > deadline:
             return
-        for fn, on_cpu in ((c.fn, False), (c.ref, c.exact)):
-            if fn is None:
-                continue
-            try:  # under the device context run_case uses: it is part of jit's cache key
-                with jax.default_device(cpu if on_cpu else None):
-                    lowered = jax.jit(fn).lower(*(jax.device_put(c.args, cpu) if on_cpu else c.args))
-                    if on_cpu or not re.search(r"stablehlo\.(dot_general|ragged_dot)|chlo\.ragged_dot", lowered.as_text()):
-                        lowered.compile()
-            except Exception:
-                pass
+        try:  # under the device context run_case uses: it is part of jit's cache key
+            with jax.default_device(cpu if on_cpu else None):
+                lowered = jax.jit(fn).lower(*(jax.device_put(args, cpu) if on_cpu else args))
+                if on_cpu or not re.search(r"stablehlo\.(dot_general|ragged_dot)|chlo\.ragged_dot", lowered.as_text()):
+                    lowered.compile()
+        except Exception:
+            pass
 
     with cf.ThreadPoolExecutor(max(1, workers)) as pool:
-        list(pool.map(one, cases))
+        list(pool.map(one, jobs.values()))
 
 
 def mark_fastest(rows: list[dict]) -> None:
