@@ -45,6 +45,11 @@ print(subprocess.run([os.path.join(bin_dir, "cuobjdump"), "-res-usage", f], capt
 '''
 
 
+# opcodes that stall a warp in the main loop: wgmma arrive / wait (WARPGROUP), memory barriers
+# and proxy fences, and synchronous global loads (LDG; the pipelined copies are LDGSTS)
+WAITS = ("WARPGROUP", "MEMBAR", "FENCE", "LDG")
+
+
 def main_loop(sass: str):
     """(loop instruction count, opcode counts) of the longest backward-branch span."""
     labels, instr = {}, []
@@ -281,16 +286,19 @@ def main():
         else:
             n, body = main_loop(sass)
             row.update(registers=regs, stack_bytes=stack, loop_instructions=n, instructions_per_value=round(n / values, 2), loop_spill_ops=body["LDL"] + body["STL"],
-                       loop_opcodes=dict(body.most_common(12)))
+                       loop_waits={k: body[k] for k in WAITS}, loop_opcodes=dict(body.most_common(12)))
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "config"}), flush=True)
     if a.out:
         os.makedirs(a.out, exist_ok=True)
         json.dump(rows, open(os.path.join(a.out, "sass_offline.json"), "w"), indent=1)
-        lines = ["| kernel | registers | loop instructions | per weight value | spill ops in loop | top opcodes |", "|---|---|---|---|---|---|"]
+        lines = ["| kernel | registers | loop instructions | per weight value | spill ops in loop | " + " / ".join(WAITS) + " in loop | top opcodes |",
+                 "|---|---|---|---|---|---|---|"]
         for r in rows:
             top = ", ".join(f"{k} {v}" for k, v in list(r.get("loop_opcodes", {}).items())[:6])
-            lines.append(f"| {r['kernel']} | {r.get('registers')} | {r.get('loop_instructions')} | {r.get('instructions_per_value')} | {r.get('loop_spill_ops')} | {top} |")
+            waits = " / ".join(str(r.get("loop_waits", {}).get(k)) for k in WAITS)
+            lines.append(f"| {r['kernel']} | {r.get('registers')} | {r.get('loop_instructions')} | {r.get('instructions_per_value')} | "
+                         f"{r.get('loop_spill_ops')} | {waits} | {top} |")
         open(os.path.join(a.out, "sass_offline.md"), "w").write("\n".join(lines) + "\n")
 
 

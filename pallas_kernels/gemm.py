@@ -19,8 +19,8 @@ into its even and odd channels: ``A_even @ W_even.T + A_odd @ W_odd.T``, which n
 interleave in registers. Block scales (one per 16 channels = 8 packed bytes) are decoded
 to BF16 by integer bit operations and expanded along the packed axis with a broadcast +
 reshape. ``decode="words"`` reads the codes as uint32 words of 8 instead and splits a K
-tile into eight parts (``tile_math.WORD_CHANNELS``), the activations following the same
-channel order.
+tile into four parts of channel pairs (``tile_math.WORD_PAIRS``), the activations following
+the same channel order.
 
 Several weights that read the same activations (q/k/v, gate/up) go into one launch: their
 N tiles lie side by side on the grid (``for_each_weight``), the activations are quantized
@@ -48,7 +48,7 @@ from pallas_kernels.tiling import GemmConfig, gemm_config  # noqa: F401  (re-exp
 from pallas_kernels.config import interpret_mode, resolve_backend
 from pallas_kernels import rac
 from pallas_kernels.quantizer import QuantizedRows, quantize_activations_rac, quantize_operand
-from pallas_kernels.tile_math import decode_tile, decode_words, load_even_odd, mma_acc, pad_axis, rows_at, to_word_parts_order  # noqa: F401
+from pallas_kernels.tile_math import WORD_PARTS, decode_tile, decode_words, load_even_odd, mma_acc, pad_axis, rows_at, to_word_parts_order  # noqa: F401
 
 MODES = ("w4a4", "w4a16")
 
@@ -81,7 +81,7 @@ def make_loaders(*, x_ref, wc_ref, ws_ref, act_sl, act_ok, col_sl, col_ok, cfg, 
     of ``x_ref`` (BF16 values, or RAC's
     FP16 compensated values) and the weight codes. Each returns the tile's channels in parts,
     the same parts for both operands: the even and odd channels, or with ``decode="words"``
-    the eight word parts (``tile_math.WORD_CHANNELS``; activation values then come in that
+    the four word parts (``tile_math.WORD_PAIRS``; activation values then come in that
     order, see ``token_operand``). Both come in the activations' type (the MMA operand
     type; the weight's block values are exact in BF16 and FP16)."""
     bn, bk = cfg.block_n, cfg.block_k
@@ -99,8 +99,8 @@ def make_loaders(*, x_ref, wc_ref, ws_ref, act_sl, act_ok, col_sl, col_ok, cfg, 
 
     def load_a(kt):
         if words:  # laid out in word-part order by token_operand: contiguous slices
-            return tuple(plgpu.load(rows_at(x_ref, act_sl, pl.ds(kt * bk + p * (bk // 8), bk // 8)), mask=act_ok, other=0.0)
-                         for p in range(8))
+            return tuple(plgpu.load(rows_at(x_ref, act_sl, pl.ds(kt * bk + q * (bk // WORD_PARTS), bk // WORD_PARTS)),
+                                    mask=act_ok, other=0.0) for q in range(WORD_PARTS))
         return load_even_odd(x_ref, act_sl, kt * bk, bk, act_ok, interpret, other=0.0)
 
     return load_a, load_w

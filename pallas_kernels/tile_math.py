@@ -223,12 +223,18 @@ SIGN_BYTES = (0x1000, 0x3222)
 #
 # decode="words": the weight codes enter the kernel as uint32 words of 8 codes (the same bytes,
 # little-endian: channel 8w + j at bits 4j..4j+3). Each word is decoded by four single-output
-# PTX programs, one BF16 pair each, into eight parts: part p holds channel WORD_CHANNELS[p] of
-# every group of 8. The K sum runs over the parts (eight MMAs of K = bk / 8), so the
-# activations enter in the same channel order. Triton then never unpacks uint8 elements or
-# repacks them around the assembly (offline SASS: a fifth fewer loop instructions).
+# PTX programs, one BF16 / FP16 pair each: program q gives the channels WORD_PAIRS[q] of its
+# word's group of 8, in the low and high half of one 32-bit register. A K tile is summed in
+# four parts (four MMAs of K = bk / 4), part q holding the pairs of program q in group order:
+# element 2g + h is channel 8g + WORD_PAIRS[q][h]. The two halves of a program's register are
+# then the two K-adjacent values of one MMA operand register, so the decoded words feed the
+# MMA as they are (with eight parts of single channels, each operand register paired halves
+# of two programs' outputs: one byte permute a register, a tenth of the loop in offline SASS).
+# The activations enter in the same channel order. Triton never unpacks uint8 elements or
+# repacks them around the assembly.
 
-WORD_CHANNELS = (0, 2, 4, 6, 1, 3, 5, 7)
+WORD_PAIRS = ((0, 2), (4, 6), (1, 3), (5, 7))  # programs (shift 0, bytes 0-1), (0, 2-3), (4, 0-1), (4, 2-3)
+WORD_CHANNELS = tuple(c for pair in WORD_PAIRS for c in pair)  # the programs' outputs, low half first
 
 
 def _word_pair_ptx(shift: int, half: int, key: str = "bf16") -> str:
@@ -251,17 +257,18 @@ def _word_pair_ptx(shift: int, half: int, key: str = "bf16") -> str:
     )
 
 
-# parts (0,1) (2,3) (4,5) (6,7), per operand type
+# programs in WORD_PAIRS order, per operand type
 WORD_DECODE_PTX = {key: tuple(_word_pair_ptx(shift, half, key) for shift in (0, 4) for half in (0, 1)) for key in OPERAND_TABLES}
+WORD_PARTS = len(WORD_PAIRS)
 
 
 def to_word_parts_order(v, bk: int):
     """Activation values [T, K] -> the same values with each K tile of ``bk`` channels laid out
-    as the eight word parts (part p: channel WORD_CHANNELS[p] of each group of 8), so that
-    part p of tile kt is the contiguous slice kt * bk + p * bk / 8 of length bk / 8."""
+    as the four word parts (part q, element 2g + h: channel 8g + WORD_PAIRS[q][h]), so that
+    part q of tile kt is the contiguous slice kt * bk + q * bk / 4 of length bk / 4."""
     t, k = v.shape
-    g = v.reshape(t, k // bk, bk // 8, 8)[..., jnp.asarray(WORD_CHANNELS)]
-    return jnp.swapaxes(g, 2, 3).reshape(t, k)
+    g = v.reshape(t, k // bk, bk // 8, 8)[..., jnp.asarray(WORD_CHANNELS)]  # each group's channels as the pairs
+    return jnp.swapaxes(g.reshape(t, k // bk, bk // 8, WORD_PARTS, 2), 2, 3).reshape(t, k)
 
 
 OPERAND_ORDERS = ("plain", "words")
@@ -276,25 +283,29 @@ def operand_columns(ch, order):
         raise ValueError(f"order={order!r}: expected (one of {OPERAND_ORDERS}, a power-of-two tile)")
     if kind == "plain":
         return ch
-    base, q, g = ch - (ch & (tile - 1)), ch & 7, (ch & (tile - 1)) >> 3
-    return base + ((q >> 1) + 4 * (q & 1)) * (tile // 8) + g  # part p = WORD_CHANNELS.index(q), then the group
+    base, c, g = ch - (ch & (tile - 1)), ch & 7, (ch & (tile - 1)) >> 3
+    # c's place in WORD_CHANNELS (0, 2, 4, 6, 1, 3, 5, 7) is (c >> 1) + 4 (c & 1): part i >> 1, half i & 1
+    i = (c >> 1) + 4 * (c & 1)
+    return base + (i >> 1) * (tile // 4) + 2 * g + (i & 1)
 
 
 def decode_words(words, scale_bits, rows, bk, interpret=False, dtype=jnp.bfloat16):
-    """Code words [rows, bk/8] and E4M3 scale bits [rows, bk/16] -> the eight parts
-    [rows, bk/8] of the tile's block values in ``dtype`` (BF16 or FP16, exact), in
-    WORD_CHANNELS order."""
+    """Code words [rows, bk/8] and E4M3 scale bits [rows, bk/16] -> the four parts
+    [rows, bk/4] of the tile's block values in ``dtype`` (BF16 or FP16, exact), in
+    WORD_PAIRS order (part q, element 2g + h: channel 8g + WORD_PAIRS[q][h])."""
     key = operand_key(dtype)
+    pairs = lambda lo, hi: jnp.stack([lo, hi], axis=-1).reshape(rows, bk // 4)  # a join: each pair stays in one register
     if interpret:
         s = scales_as(scale_bits, dtype)  # [rows, bk/16]
         s = jnp.broadcast_to(s[:, :, None], (rows, bk // 16, 2)).reshape(rows, bk // 8)
         w = words.astype(jnp.uint32)
-        return [nvfp4.decode_e2m1_bf16(((w >> (4 * ch)) & 15).astype(jnp.int32)).astype(dtype) * s for ch in WORD_CHANNELS]
+        one = lambda ch: nvfp4.decode_e2m1_bf16(((w >> (4 * ch)) & 15).astype(jnp.int32)).astype(dtype) * s
+        return [pairs(one(a), one(b)) for a, b in WORD_PAIRS]
     s2 = jnp.broadcast_to((scale_halves(scale_bits, key) * 0x10001)[:, :, None], (rows, bk // 16, 2)).reshape(rows, bk // 8)
     parts = []
     for ptx in WORD_DECODE_PTX[key]:
         [o] = plgpu.elementwise_inline_asm(ptx, args=[words, s2], constraints="=r,r,r", pack=1,
                                            result_shape_dtypes=[jax.ShapeDtypeStruct(words.shape, jnp.int32)])
-        for q in (0, 1):
-            parts.append(jax.lax.bitcast_convert_type(((o >> (16 * q)) & 0xFFFF).astype(jnp.uint16), dtype))
+        half = lambda q: jax.lax.bitcast_convert_type(((o >> (16 * q)) & 0xFFFF).astype(jnp.uint16), dtype)
+        parts.append(pairs(half(0), half(1)))
     return parts

@@ -23,7 +23,7 @@ class GemmConfig:
     num_warps: int = 4
     num_stages: int = 3
     # weight-tile decode: "words" (codes as uint32 words of 8, four PTX byte-permute programs a
-    # word, eight K parts: no uint8 repacking; K tiles of >= 128 channels; compiled kernels
+    # word, each giving one MMA operand register: four K parts; K tiles of >= 64 channels; compiled kernels
     # use PTX, interpret mode the bit decode) or "bits" (bytes, BF16 bit patterns, one BF16
     # product by the scale: any K tile); both exact, so the same numbers
     decode: str = "bits"
@@ -44,8 +44,8 @@ class GemmConfig:
             raise ValueError(f"GemmConfig.decode={self.decode!r}: expected one of {DECODES}")
         if self.path not in PATHS:
             raise ValueError(f"GemmConfig.path={self.path!r}: expected one of {PATHS}")
-        if self.decode == "words" and self.block_k < 128:
-            raise ValueError(f"GemmConfig.block_k={self.block_k}: decode='words' splits a K tile in 8 MMAs of block_k / 8 >= 16 channels")
+        if self.decode == "words" and self.block_k < 64:
+            raise ValueError(f"GemmConfig.block_k={self.block_k}: decode='words' splits a K tile in 4 MMAs of block_k / 4 >= 16 channels")
         for f in ("block_m", "block_n", "block_k"):
             v = getattr(self, f)
             if v < 16 or v & (v - 1):
@@ -79,7 +79,7 @@ def gemm_config(t: int, n: int, k: int, programs_per_row_tile: int = 1, num_sms:
     rows = 2 * t if grouped else t  # an expert's rows vary around their mean: its tile covers about twice
     bm = 16 if rows <= 16 else (32 if rows <= 32 else 64)
     bk = next(b for b in (128, 64, 32) if k % b == 0)
-    decode = "words" if bk >= 128 else "bits"  # the word decode splits a K tile into 8 parts of >= 16 channels
+    decode = "words" if bk >= 128 else "bits"  # the word decode, measured with K tiles of 128 and 256
     bn = 64 if n < 128 else 128
     warps, stages = 4, 4
     if grouped and bm == 16 and n >= 512:

@@ -402,7 +402,7 @@ def word_decode_emulated(words, key="bf16", scale=1.0):
 def test_gemm_decode_variants_equal_xla(rng, decode, swap_ab):
     x = jnp.asarray(heavy(rng, (21, 256))).astype(jnp.bfloat16)
     w = nvfp4.quantize(jnp.asarray(rng.standard_normal((80, 256)).astype(np.float32)))
-    bk = 128 if decode == "words" else 64
+    bk = 64  # the word decode's smallest K tile: four parts of 16 channels
     cfg = pk.GemmConfig(block_m=16, block_n=32, block_k=bk, split_k=2, decode=decode, swap_ab=swap_ab)
     # the kernel's regimes: W4A4 with per-token scales, with and without RAC, and W4A16
     regimes = ({"rac_ratio": 0.5, "act_scale": "token"}, {"act_scale": "token"}, {"mode": "w4a16"})
@@ -421,7 +421,8 @@ def test_gemm_decode_variants_equal_xla(rng, decode, swap_ab):
 
 def test_word_decode_steps_and_layout_equal_the_format():
     """decode='words': the four PTX programs, run by a numpy PTX interpreter, give every code's
-    BF16 (and FP16) bits in the WORD_CHANNELS order; the byte-to-word packing and the
+    BF16 (and FP16) bits in the WORD_CHANNELS order (the programs' outputs, low half first);
+    the byte-to-word packing and the
     activations' part order are the matching permutations."""
     from pallas_kernels import tile_math
 
@@ -447,10 +448,10 @@ def test_word_decode_steps_and_layout_equal_the_format():
     np.testing.assert_array_equal(w.view(np.uint8).reshape(3, 64), np.asarray(codes))  # the same bytes, little-endian
     v = jnp.arange(2 * 256, dtype=jnp.float32).reshape(2, 256)
     o = np.asarray(tile_math.to_word_parts_order(v, 128))
-    assert o[0, 16] == 2 and o[0, 31] == 8 * 15 + 2 and o[0, 128 + 127] == 128 + 8 * 15 + 7  # part 1 = channel 2, ...
+    assert o[0, 1] == 2 and o[0, 2] == 8 and o[0, 32] == 4 and o[0, 128 + 127] == 128 + 8 * 15 + 7  # part 0: channels 0, 2 of each group
     np.testing.assert_array_equal(np.sort(o, axis=1), np.asarray(v))
     with pytest.raises(ValueError, match="block_k"):
-        pk.GemmConfig(block_m=16, block_n=32, block_k=64, decode="words")
+        pk.GemmConfig(block_m=16, block_n=32, block_k=32, decode="words")
 
 
 def test_bit_decode_gives_the_same_block_values_in_both_operand_types():
