@@ -173,16 +173,19 @@ def dense_cases(tiny: bool):
                       Case("dense", shape, op, f"pallas {other.path}",
                            lambda x, w, kw=kw: pk.nvfp4_matmul(x, w, backend="pallas", config=other, **kw), (x, w4), ref=ref, **common),
                       Case("dense", shape, op, "xla", ref, (x, w4), **common)]
-        # split-K's other depths (the FP32 partials it writes, and XLA's sum of them, are timed too)
+        # split-K's other depths (the FP32 partials it writes, and XLA's sum of them, are timed
+        # too), and at decode sizes 64-wide N tiles (twice the programs, half the decode each)
         if plan.path == "fused" and not tiny:
             ksteps = k // plan.block_k
-            for sk in sorted({1, plan.split_k // 2, plan.split_k * 2} - {0, plan.split_k}):
-                if ksteps % sk == 0:
-                    c = dataclasses.replace(plan, split_k=sk)
-                    cases.append(Case("dense", shape, "w4a4+rac0.5", f"pallas fused split_k {sk}",
-                                      lambda x, w, c=c: pk.nvfp4_matmul(x, w, backend="pallas", config=c, rac_ratio=0.5, act_scale="token"),
-                                      (x, w4), ref=lambda x, w: pk.nvfp4_matmul(x, w, backend="xla", rac_ratio=0.5, act_scale="token"),
-                                      **common))
+            variants = [(f"split_k {sk}", dataclasses.replace(plan, split_k=sk))
+                        for sk in sorted({1, plan.split_k // 2, plan.split_k * 2} - {0, plan.split_k}) if ksteps % sk == 0]
+            if t <= 64 and plan.block_n > 64:
+                variants.append(("bn 64", dataclasses.replace(plan, block_n=64)))
+            for name, c in variants:
+                cases.append(Case("dense", shape, "w4a4+rac0.5", f"pallas fused {name}",
+                                  lambda x, w, c=c: pk.nvfp4_matmul(x, w, backend="pallas", config=c, rac_ratio=0.5, act_scale="token"),
+                                  (x, w4), ref=lambda x, w: pk.nvfp4_matmul(x, w, backend="xla", rac_ratio=0.5, act_scale="token"),
+                                  **common))
         cases += [Case("dense", shape, "bf16", "xla dot", dot_nt, (x, wb), truth=truth, bytes=_nbytes(wb) + io, flops=2 * t * k * n),
                   Case("dense", shape, "fp8", "xla dot", lambda x, w: pk.fp8_matmul(x, w), (x, w8), truth=truth,
                        bytes=_nbytes(w8) + io, flops=2 * t * k * n)]

@@ -228,10 +228,9 @@ SIGN_BYTES = (0x1000, 0x3222)
 # four parts (four MMAs of K = bk / 4), part q holding the pairs of program q in group order:
 # element 2g + h is channel 8g + WORD_PAIRS[q][h]. The two halves of a program's register are
 # then the two K-adjacent values of one MMA operand register, so the decoded words feed the
-# MMA as they are (with eight parts of single channels, each operand register paired halves
-# of two programs' outputs: one byte permute a register, a tenth of the loop in offline SASS).
-# The activations enter in the same channel order. Triton never unpacks uint8 elements or
-# repacks them around the assembly.
+# MMA as they are (parts of single channels would pair the halves of two programs' outputs in
+# each operand register: a byte permute a register). The activations enter in the same
+# channel order. Triton never unpacks uint8 elements or repacks them around the assembly.
 
 WORD_PAIRS = ((0, 2), (4, 6), (1, 3), (5, 7))  # programs (shift 0, bytes 0-1), (0, 2-3), (4, 0-1), (4, 2-3)
 WORD_CHANNELS = tuple(c for pair in WORD_PAIRS for c in pair)  # the programs' outputs, low half first
