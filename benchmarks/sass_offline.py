@@ -146,11 +146,11 @@ def cases(override=None):
         yield name, fn, cfg, values
 
 
-def quant_cases(shapes=((16, 4096), (64, 4096), (256, 1024), (2048, 512)), selects=("rank", "split")):
+def quant_cases(shapes=((16, 1024), (64, 1024), (512, 512), (256, 2048), (2048, 512)), selects=("energies", "fused", "rank")):
     """(name, lower(), QuantConfig) of the activation quantizer (per-token scales, the FP16
-    GEMM operand in the word-part order) at rollout sizes, RAC 0 and 0.5: the heuristic's
-    config, one program per row (parts=1) and one warp per row, with each RAC selection of
-    ``selects``."""
+    GEMM operand in the word-part order) at the rollout's sizes (batches 16 and 64, the
+    batch-64 experts' down projection, batch 256, prefill), RAC 0 and 0.5: the heuristic's
+    tiles and one program per row (parts=1), with each RAC selection of ``selects``."""
     import dataclasses as dc
 
     import jax
@@ -163,9 +163,8 @@ def quant_cases(shapes=((16, 4096), (64, 4096), (256, 1024), (2048, 512)), selec
         for rho in (0.0, 0.5):
             n_sel = QA.rac.num_selected(rho, k // 16)
             default = QA.quant_config(t, k)
-            for layout, base in (("default", default), ("one_row", dc.replace(default, parts=1)),
-                                 ("warp_row", dc.replace(default, parts=1, num_warps=1))):
-                for select in selects if rho else ("rank",):
+            for layout, base in (("default", default), ("one_row", dc.replace(default, parts=1))):
+                for select in selects if rho else (default.select,):
                     cfg = dc.replace(base, select=select)
                     fn = lambda cfg=cfg, n_sel=n_sel, x=x: jax.jit(
                         lambda v: QA._quant_call(v, n_sel=n_sel, cfg=cfg, interpret=False, order=("words", 128), rows=v.shape[0])
@@ -223,32 +222,38 @@ def decode_attention_cases():
 def quant_main(a, captured, tmp, cases=None, stem="sass_offline_quant"):
     """Whole-kernel instruction counts of the quantizer (it has no main loop: its chunks and
     rank counts are unrolled, so the static count is about each thread's serial work), or of
-    another kernel's ``cases``."""
+    another kernel's ``cases``; a row for each kernel a case launches (the quantizer's energy
+    pass, then the quantizer)."""
     import jax
 
     rows = []
     for i, (name, lower, cfg) in enumerate(cases or quant_cases()):
         jax.clear_caches()
+        first = len(captured)
         lower()
-        err, regs, stack, sass = compile_ttir(a.triton_python, captured[-1], os.path.join(tmp, f"q{i}.ttir"), cfg.num_warps,
-                                                getattr(cfg, "num_stages", 1))
-        ops = [m.group(2).split(".")[0] for m in re.finditer(r"/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)]
-        row = {"kernel": name, "config": dataclasses.asdict(cfg)}
-        if err:
-            row["error"] = err
-        else:
-            row.update(registers=regs, stack_bytes=stack, instructions=len(ops), spill_ops=ops.count("LDL") + ops.count("STL"),
-                       barriers=ops.count("BAR"), shuffles=ops.count("SHFL"), opcodes=dict(collections.Counter(ops).most_common(8)))
-        rows.append(row)
-        print(json.dumps({k: v for k, v in row.items() if k not in ("config", "opcodes")}), flush=True)
+        launched = captured[first:]
+        for j, ttir in enumerate(launched):
+            err, regs, stack, sass = compile_ttir(a.triton_python, ttir, os.path.join(tmp, f"q{i}_{j}.ttir"), cfg.num_warps,
+                                                    getattr(cfg, "num_stages", 1))
+            ops = [m.group(2).split(".")[0] for m in re.finditer(r"/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)]
+            row = {"kernel": name if len(launched) == 1 else f"{name} [{j + 1}/{len(launched)}]", "config": dataclasses.asdict(cfg)}
+            if err:
+                row["error"] = err
+            else:
+                row.update(registers=regs, stack_bytes=stack, instructions=len(ops), spill_ops=ops.count("LDL") + ops.count("STL"),
+                           barriers=ops.count("BAR"), shuffles=ops.count("SHFL"), global_loads=ops.count("LDG"),
+                           global_stores=ops.count("STG"), opcodes=dict(collections.Counter(ops).most_common(8)))
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k not in ("config", "opcodes")}), flush=True)
     if a.out:
         os.makedirs(a.out, exist_ok=True)
         json.dump(rows, open(os.path.join(a.out, f"{stem}.json"), "w"), indent=1)
-        lines = ["| kernel | registers | instructions a thread (whole kernel) | warp instructions a scheduler | barriers | shuffles | spill ops |",
-                 "|---|---|---|---|---|---|---|"]
+        lines = ["| kernel | registers | instructions a thread (whole kernel) | warp instructions a scheduler | barriers | shuffles | "
+                 "global loads / stores | spill ops |", "|---|---|---|---|---|---|---|---|"]
         lines += [f"| {r['kernel']} | {r.get('registers')} | {r.get('instructions')} | "
                   f"{r['instructions'] * max(1, r['config']['num_warps'] // 4) if r.get('instructions') else None} | "
-                  f"{r.get('barriers')} | {r.get('shuffles')} | {r.get('spill_ops')} |" for r in rows]
+                  f"{r.get('barriers')} | {r.get('shuffles')} | {r.get('global_loads')} / {r.get('global_stores')} | {r.get('spill_ops')} |"
+                  for r in rows]
         open(os.path.join(a.out, f"{stem}.md"), "w").write("\n".join(lines) + "\n")
 
 
