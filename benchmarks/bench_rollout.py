@@ -211,23 +211,29 @@ def sweep(res, cfg, params, recipes, batches, prompts, new_tokens, copy_tbps, de
 # ----------------------------------------------------------------------------- report
 
 
+RAC_ONLY = {"rac_select"}  # KernelConfig fields that change only RAC's programs (quads's)
+
+
 def speed_ratios(sw: dict) -> list[tuple]:
-    """(batch, other recipe, quads's step-time ratio, quads's tok/s ratio or None) for each
-    recipe measured beside quads at one batch with the same ``@field=value`` settings: the
-    issue's targets (quads >= 0.9x nvfp4_naive, >= 1.3x fp8, >= 2x bf16) read off directly."""
+    """(batch, quads recipe, other recipe, quads's step-time ratio, quads's tok/s ratio or
+    None) for each recipe measured beside a quads recipe at one batch with the same
+    ``@field=value`` settings, or with none where quads's settings change only RAC
+    (``RAC_ONLY``, e.g. ``quads@rac_select=fused`` against nvfp4_naive): the issue's targets
+    (quads >= 0.9x nvfp4_naive, >= 1.3x fp8, >= 2x bf16) read off directly."""
     out = []
     for key, q in sw.items():
         name, batch = key.split("/")
         base, _, fields = name.partition("@")
         if base != "quads" or "step_ms" not in q:
             continue
+        rac_only = fields and {f.split("=")[0] for f in fields.split("@")} <= RAC_ONLY
         for key2, o in sw.items():
             name2, batch2 = key2.split("/")
             base2, _, fields2 = name2.partition("@")
-            if batch2 != batch or base2 == "quads" or fields2 != fields or "step_ms" not in o:
+            if batch2 != batch or base2 == "quads" or "step_ms" not in o or not (fields2 == fields or rac_only and not fields2):
                 continue
             tq, to = q.get("output_tok_per_s"), o.get("output_tok_per_s")
-            out.append((int(batch[1:]), name2, o["step_ms"] / q["step_ms"], tq / to if tq and to else None))
+            out.append((int(batch[1:]), name, name2, o["step_ms"] / q["step_ms"], tq / to if tq and to else None))
     return out
 
 
@@ -250,8 +256,8 @@ def markdown(res):
         rat = speed_ratios(sw)
         if rat:
             lines += ["quads's speed over each other recipe's at the same batch and kernel settings (above 1: quads faster):", "",
-                      "| batch | quads vs | by step time | by output tok/s |", "|---|---|---|---|"]
-            lines += [f"| {b} | {other} | {st:.3f} | {'-' if tp is None else f'{tp:.3f}'} |" for b, other, st, tp in rat] + [""]
+                      "| batch | quads | vs | by step time | by output tok/s |", "|---|---|---|---|---|"]
+            lines += [f"| {b} | {q} | {other} | {st:.3f} | {'-' if tp is None else f'{tp:.3f}'} |" for b, q, other, st, tp in rat] + [""]
         static = [(k, v) for k, v in sw.items() if v.get("step_ms_static_loop")]
         if static:
             lines += ["Decode step with the burst's trip count a constant (no per-step predicate copy to the host):", "",
