@@ -242,15 +242,6 @@ def decode_e4m3_bf16(b):
     return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.bfloat16)
 
 
-def encode_e4m3_bits(s):
-    """Positive float32 values already on the E4M3 grid (>= 2**-6, or NaN) -> E4M3 bit
-    patterns (int32), without a float8 cast (for kernels)."""
-    bits = jax.lax.bitcast_convert_type(jnp.asarray(s, jnp.float32), jnp.int32)
-    e = ((bits >> 23) & 0xFF) - 120
-    m = (bits >> 20) & 7
-    return jnp.where(s == s, (e << 3) | m, 0x7F)
-
-
 def pack_codes(codes, axis: int = -1):
     """Pack 4-bit codes two a byte along ``axis``: element 2i in the low nibble."""
     codes = jnp.moveaxis(jnp.asarray(codes, jnp.uint8), axis, -1)
