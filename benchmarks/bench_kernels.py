@@ -129,7 +129,7 @@ def quant_cases(tiny: bool):
                 if c != base.chunk and (k // base.parts) % c == 0 and rho < 1:
                     variants[f"chunk {c}"] = dataclasses.replace(base, chunk=c, num_warps=8 if c >= 512 or base.parts == 1 else 4)
             if rho == 0.5:  # the other selections
-                variants.update({f"select {s}": dataclasses.replace(base, select=s) for s in ("rank", "split", "energies", "fused")
+                variants.update({f"select {s}": dataclasses.replace(base, select=s) for s in pk.RAC_SELECTS
                                  if s != base.select and (s == "split" or rankable)})
             if rho == 0.5 or (rho == 0 and base.chunk <= 256):  # 256-channel chunks: warps mattered 4.8x (T64 K768)
                 variants.update({f"{w} warps": dataclasses.replace(base, num_warps=w) for w in (4, 8, 16) if w != base.num_warps})

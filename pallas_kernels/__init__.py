@@ -10,7 +10,7 @@ argument), never process state.
 
 from pallas_kernels.attention import attention_xla, causal_attention, causal_attention_xla
 from pallas_kernels.cache_attention import DecodeAttentionConfig, decode_attention, decode_attention_xla, write_rows
-from pallas_kernels.config import BACKENDS, DwTiles, GroupedTiles, KernelConfig, Tiles
+from pallas_kernels.config import BACKENDS, RAC_SELECTS, DwTiles, GroupedTiles, KernelConfig, Tiles
 from pallas_kernels.grouped_weight_grad import grouped_dw, grouped_dw_xla
 from pallas_kernels.float_grouped import ExpertsKN, grouped_dot, grouped_dot_fp8, grouped_dot_kn, grouped_dot_xla
 from pallas_kernels.fp8_gemm import fp8_grouped_matmul, fp8_matmul
@@ -28,5 +28,5 @@ __all__ = [
     "quantize_operand", "default_order", "RANK_MAX_BLOCKS",
     "nvfp4_matmul", "nvfp4_matmul_xla", "nvfp4_grouped_matmul", "nvfp4_grouped_matmul_xla",
     "fp8_matmul", "fp8_grouped_matmul", "GemmConfig", "gemm_config",
-    "RAC_MODES", "RAC_SUMS", "FakeQuantConfig", "fake_quant_config", "weight_fake_quant",
+    "RAC_MODES", "RAC_SUMS", "RAC_SELECTS", "FakeQuantConfig", "fake_quant_config", "weight_fake_quant",
 ]

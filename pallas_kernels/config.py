@@ -39,11 +39,10 @@ Fields (each validated here, with a one-line error naming the field):
                them; the decode loop itself stays on the host), "xla" (XLA's defaults), "off"
                (each kernel launched from the host) or "loops" (the decode loop and
                conditionals captured too). A decode step of a small MoE is hundreds of short
-               kernels whose launches are a large part of its time. On an H100 "kernels" made
-               the NVFP4 recipes' whole generations 8-17% faster than "xla" and "loops" was
-               slower (benchmarks/results/2026-12-07-h100-command-buffers,
-               2026-12-06-h100-defaults); ``bench_rollout.py --recipes name@command_buffers=...``
-               compares them on another device. A CPU compile ignores the options.
+               kernels whose launches are a large part of its time; "kernels" measured fastest
+               on an H100 (benchmarks/results), and ``bench_rollout.py --recipes
+               name@command_buffers=...`` compares them on another device. A CPU compile
+               ignores the options.
 
 "auto" resolves from the platform the computation is traced for, never from process state,
 so the same config gives the same program on the same machine.

@@ -77,8 +77,8 @@ class QuantConfig:
     parts: int = 1
 
     def __post_init__(self):
-        if self.select not in SELECTS:
-            raise ValueError(f"QuantConfig.select={self.select!r}: expected one of {SELECTS}")
+        if self.select not in RAC_SELECTS:
+            raise ValueError(f"QuantConfig.select={self.select!r}: expected one of {RAC_SELECTS}")
         if self.chunk < 16 or self.chunk & (self.chunk - 1):
             raise ValueError(f"QuantConfig.chunk={self.chunk}: expected a power of two >= 16")
         if not isinstance(self.parts, int) or self.parts < 1 or self.parts & (self.parts - 1):
@@ -90,9 +90,6 @@ class QuantConfig:
             raise ValueError(f"config: QuantConfig.parts={self.parts} must divide K={k} into whole 16-blocks")
         if (k // self.parts) % self.chunk:
             raise ValueError(f"config: QuantConfig.chunk={self.chunk} must divide K={k} / parts={self.parts}")
-
-
-SELECTS = RAC_SELECTS
 
 
 MIN_PART = 256  # channels a program owns at the least (one 16-block of RAC selection work a warp)
@@ -110,10 +107,10 @@ def quant_config(t: int, k: int, num_sms: int | None = None, select: str = "auto
     ``select="energies"`` (one launch fewer than split, no whole-row pass in the quantizer).
     Rows of more than RANK_MAX_BLOCKS blocks take split at any size: the in-kernel counts grow
     with the square of the blocks, split's XLA ranking sorts such rows. ``select`` (one of
-    SELECTS, or "auto") replaces the selection where the rows are short enough to rank
+    RAC_SELECTS, or "auto") replaces the selection where the rows are short enough to rank
     (``KernelConfig.rac_select``)."""
-    if select != "auto" and select not in SELECTS:
-        raise ValueError(f"select={select!r}: expected 'auto' or one of {SELECTS}")
+    if select != "auto" and select not in RAC_SELECTS:
+        raise ValueError(f"select={select!r}: expected 'auto' or one of {RAC_SELECTS}")
     num_sms = num_sms or device_sms()
     block_rows = 1 if t < 1024 else 2
     programs = -(-t // block_rows)

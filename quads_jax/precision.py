@@ -222,9 +222,9 @@ def linear(x, w, mode: str, *, dtype=jnp.bfloat16, rac_ratio: float = 0.0, rac_s
     x2 = x if isinstance(x, pk.QuantizedRows) else x.reshape(-1, x.shape[-1])
     launches = _nvfp4_launches(ws)
     if launches is not None:
+        qc = _quant_config(x2, rac_select)
         ys = sum((pk.nvfp4_matmul(_bf16(x2), g, rac_ratio=rac_ratio if mode == "w4a4" else 0.0, rac_sum=rac_sum, act_scale="token",
-                                  mode="w4a16" if mode == "w4a16" else "w4a4", backend=backend, out_dtype=dtype,
-                                  quant_config=_quant_config(x2, rac_select))
+                                  mode="w4a16" if mode == "w4a16" else "w4a4", backend=backend, out_dtype=dtype, quant_config=qc)
                   for g in launches), ())
     else:
         ys = tuple(_linear_one(x2, wi, mode, dtype=dtype, backend=backend, operand_dtype=operand_dtype or dtype) for wi in ws)
@@ -306,9 +306,10 @@ def grouped_linear(x, w, group_sizes, mode: str, *, dtype=jnp.bfloat16, rac_rati
     ws, many = _weights(w)
     launches = _nvfp4_launches(ws)
     if launches is not None:
+        qc = _quant_config(x, rac_select)
         ys = sum((pk.nvfp4_grouped_matmul(_bf16(x), g, group_sizes, rac_ratio=rac_ratio if mode == "w4a4" else 0.0,
                                           rac_sum=rac_sum, act_scale="token", mode="w4a16" if mode == "w4a16" else "w4a4", backend=backend,
-                                          out_dtype=dtype, quant_config=_quant_config(x, rac_select))
+                                          out_dtype=dtype, quant_config=qc)
                   for g in launches), ())
     elif all(isinstance(wi, fp8.FP8Tensor) for wi in ws):
         t = (tiles or pk.KernelConfig().grouped_tiles).infer
