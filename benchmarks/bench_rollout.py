@@ -211,14 +211,10 @@ def sweep(res, cfg, params, recipes, batches, prompts, new_tokens, copy_tbps, de
 # ----------------------------------------------------------------------------- report
 
 
-RAC_ONLY = {"rac_select"}  # KernelConfig fields that change only RAC's programs (quads's)
-
-
 def speed_ratios(sw: dict) -> list[tuple]:
     """(batch, quads recipe, other recipe, quads's step-time ratio, quads's tok/s ratio or
     None) for each recipe measured beside a quads recipe at one batch with the same
-    ``@field=value`` settings, or with none where quads's settings change only RAC
-    (``RAC_ONLY``, e.g. ``quads@rac_select=fused`` against nvfp4_naive): the issue's targets
+    ``@field=value`` settings: the issue's targets
     (quads >= 0.9x nvfp4_naive, >= 1.3x fp8, >= 2x bf16) read off directly."""
     out = []
     for key, q in sw.items():
@@ -226,11 +222,10 @@ def speed_ratios(sw: dict) -> list[tuple]:
         base, _, fields = name.partition("@")
         if base != "quads" or "step_ms" not in q:
             continue
-        rac_only = fields and {f.split("=")[0] for f in fields.split("@")} <= RAC_ONLY
         for key2, o in sw.items():
             name2, batch2 = key2.split("/")
             base2, _, fields2 = name2.partition("@")
-            if batch2 != batch or base2 == "quads" or "step_ms" not in o or not (fields2 == fields or rac_only and not fields2):
+            if batch2 != batch or base2 == "quads" or "step_ms" not in o or fields2 != fields:
                 continue
             tq, to = q.get("output_tok_per_s"), o.get("output_tok_per_s")
             out.append((int(batch[1:]), name, name2, o["step_ms"] / q["step_ms"], tq / to if tq and to else None))

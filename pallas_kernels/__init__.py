@@ -10,7 +10,7 @@ argument), never process state.
 
 from pallas_kernels.attention import attention_xla, causal_attention, causal_attention_xla
 from pallas_kernels.cache_attention import DecodeAttentionConfig, decode_attention, decode_attention_xla, write_rows
-from pallas_kernels.config import BACKENDS, RAC_SELECTS, DwTiles, GroupedTiles, KernelConfig, Tiles
+from pallas_kernels.config import BACKENDS, DwTiles, GroupedTiles, KernelConfig, Tiles
 from pallas_kernels.grouped_weight_grad import grouped_dw, grouped_dw_xla
 from pallas_kernels.float_grouped import ExpertsKN, grouped_dot, grouped_dot_fp8, grouped_dot_kn, grouped_dot_xla
 from pallas_kernels.fp8_gemm import fp8_grouped_matmul, fp8_matmul
@@ -18,7 +18,7 @@ from pallas_kernels.grouped_gemm import nvfp4_grouped_matmul, nvfp4_grouped_matm
 from pallas_kernels.gemm import GemmConfig, gemm_config, nvfp4_matmul, nvfp4_matmul_xla
 from pallas_kernels.rac import RAC_MODES, RAC_SUMS
 from pallas_kernels.weight_quant import FakeQuantConfig, fake_quant_config, weight_fake_quant
-from pallas_kernels.quantizer import (RANK_MAX_BLOCKS, QuantConfig, QuantizedRows, default_order, quant_config, quantize_activations,
+from pallas_kernels.quantizer import (RAC_SELECTS, RANK_MAX_BLOCKS, QuantConfig, QuantizedRows, default_order, quant_config, quantize_activations,
                                       quantize_activations_rac, quantize_operand, quantize_rows)
 
 __all__ = [

@@ -27,11 +27,6 @@ Fields (each validated here, with a one-line error naming the field):
                (benchmarks/results/2026-12-05-h100-train-tiles).
     decode_attention_tiles  the Pallas decode attention's ``DecodeAttentionConfig`` (or a dict
                of its fields).
-    rac_select  how the NVFP4 activation quantizer finds RAC's highest-residual blocks
-               (``QuantConfig.select``): "auto", the default (``quant_config``'s choice by
-               shape), or one of RAC_SELECTS for every quantizer whose rows it can rank
-               (rows of up to ``RANK_MAX_BLOCKS`` blocks; longer rows keep "split"). Same
-               bits whichever; a speed choice, so that engines can be compared in one process.
     command_buffers  how the rollout engine's compiled programs (prefill, decode steps)
                launch their kernels, as XLA compiler options of those programs
                (``compiler_options()``): "kernels", the default (CUDA graphs around runs of
@@ -59,7 +54,6 @@ BACKENDS = ("pallas", "xla")
 GROUPED = ("tokamax", "xla")
 ATTENTION = ("cudnn", "tokamax", "xla")
 DECODE_ATTENTION = ("pallas", "xla")
-RAC_SELECTS = ("rank", "split", "energies", "fused")  # QuantConfig.select (pallas_kernels.quantizer)
 _GRAPHED = "FUSION,CUBLASLT,CUSTOM_CALL"
 COMMAND_BUFFERS = {
     "xla": None,
@@ -193,11 +187,10 @@ class KernelConfig:
     grouped_tiles: GroupedTiles = DEFAULT_GROUPED_TILES
     decode_attention_tiles: DecodeAttentionConfig = DecodeAttentionConfig()
     command_buffers: str = "kernels"
-    rac_select: str = "auto"
 
     def __post_init__(self):
         for name, allowed in (("backend", BACKENDS), ("grouped", GROUPED), ("attention", ATTENTION),
-                              ("decode_attention", DECODE_ATTENTION), ("rac_select", RAC_SELECTS)):
+                              ("decode_attention", DECODE_ATTENTION)):
             v = getattr(self, name)
             if v != "auto" and v not in allowed:
                 raise ValueError(f"kernels.{name}={v!r}: expected one of {('auto',) + allowed}")

@@ -26,14 +26,10 @@ against the whole row's (``select="rank"``, ``_top_blocks``), or, with ``select=
 ranking in XLA (``_selected_blocks``: the same count for rows of up to RANK_MAX_BLOCKS
 blocks, a sort beyond) between a first kernel that writes the energies and the quantizer,
 which reads the selection, or, with ``select="energies"``, the same first kernel and the
-quantizer ranking its energies itself (one launch fewer; ``quant_config`` picks by shape), or,
-with ``select="fused"``, no first kernel: each program computes its whole row's energies,
-writes them to a scratch output, and after a barrier reads them back to rank them as
-"energies" does (one launch; the energies reach the ranking's layouts through memory, not
-through register layout conversions). For "energies" and "fused" a row's energies are padded
-to a power-of-two width with -1.0 (Triton loads power-of-two tensors; a negative energy's bits
-are below every real one's, so the padding is never counted as larger), so any block count
-works.
+quantizer ranking its energies itself (one launch fewer; ``quant_config`` picks by shape). For
+"energies" the first kernel writes each row's energies padded to a power-of-two width with
+-1.0 (Triton loads power-of-two tensors; a negative energy's bits are below every real one's,
+so the padding is never counted as larger), so any block count works.
 """
 
 from __future__ import annotations
@@ -49,7 +45,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from quads_jax import nvfp4
-from pallas_kernels.config import RAC_SELECTS, interpret_mode, resolve_backend
+from pallas_kernels.config import interpret_mode, resolve_backend
 from pallas_kernels.tiling import device_sms
 from pallas_kernels import rac
 from pallas_kernels.tile_math import kernel_arith, load_even_odd, operand_columns
@@ -67,9 +63,8 @@ class QuantConfig:
     # RAC's top fraction, the same selection whichever: "rank" (an all-pairs count in the
     # kernel, over the whole row's energies, which it computes), "split" (a first kernel
     # writes the residual energies, XLA ranks them, the kernel reads the selection: no
-    # whole-row pass in a kernel), "energies" (the kernel ranks the first kernel's
-    # energies itself: one launch fewer than split) or "fused" (no first kernel: each
-    # program writes its row's energies to a scratch output and ranks them read back).
+    # whole-row pass in a kernel) or "energies" (the kernel ranks the first kernel's
+    # energies itself: one launch fewer than split).
     # quant_config picks among them by shape; this default is the one valid for every K
     select: str = "split"
     # programs per token row, each owning K / parts channels (a power of two; the same bits
@@ -92,11 +87,14 @@ class QuantConfig:
             raise ValueError(f"config: QuantConfig.chunk={self.chunk} must divide K={k} / parts={self.parts}")
 
 
+RAC_SELECTS = ("rank", "split", "energies")  # QuantConfig.select
+
+
 MIN_PART = 256  # channels a program owns at the least (one 16-block of RAC selection work a warp)
 RANK_MAX_BLOCKS = 256  # the longest rows (in 16-blocks) that quant_config lets the kernel rank itself
 
 
-def quant_config(t: int, k: int, num_sms: int | None = None, select: str = "auto") -> QuantConfig:
+def quant_config(t: int, k: int, num_sms: int | None = None) -> QuantConfig:
     """The quantizer's tiles for T rows of K channels, the fastest measured at the rollout's
     shapes (the kernel registry's "quant" regime; benchmarks/results).
     Rows of K >= 512 channels take at least two programs each (``parts``), and decode sizes
@@ -106,11 +104,7 @@ def quant_config(t: int, k: int, num_sms: int | None = None, select: str = "auto
     owns its whole row (K = 768, which does not split into 256-channel parts); otherwise
     ``select="energies"`` (one launch fewer than split, no whole-row pass in the quantizer).
     Rows of more than RANK_MAX_BLOCKS blocks take split at any size: the in-kernel counts grow
-    with the square of the blocks, split's XLA ranking sorts such rows. ``select`` (one of
-    RAC_SELECTS, or "auto") replaces the selection where the rows are short enough to rank
-    (``KernelConfig.rac_select``)."""
-    if select != "auto" and select not in RAC_SELECTS:
-        raise ValueError(f"select={select!r}: expected 'auto' or one of {RAC_SELECTS}")
+    with the square of the blocks, split's XLA ranking sorts such rows."""
     num_sms = num_sms or device_sms()
     block_rows = 1 if t < 1024 else 2
     programs = -(-t // block_rows)
@@ -128,10 +122,7 @@ def quant_config(t: int, k: int, num_sms: int | None = None, select: str = "auto
     # where 4 warps measured several times slower with RAC; 16 warps on the half rows of
     # K = 512 slowed the rollout's down projection
     blocks = k // 16
-    if blocks > RANK_MAX_BLOCKS:
-        select = "split"
-    elif select == "auto":
-        select = "rank" if t >= 1024 or parts == 1 else "energies"
+    select = "split" if blocks > RANK_MAX_BLOCKS else "rank" if t >= 1024 or parts == 1 else "energies"
     warps = 8 if chunk >= 512 or (chunk == 256 and parts == 1) else 4
     return QuantConfig(block_rows=block_rows, chunk=chunk, num_warps=warps, parts=parts, select=select)
 
@@ -246,38 +237,23 @@ def _energy_kernel(x_ref, e_ref, g_ref, *, t, k, cfg, arith, interpret):
     quantizer reads instead of loading its whole row again."""
     row_sl, row_ok, _, blocks, chunks, _, gx = _program_rows(x_ref, t=t, k=k, cfg=cfg, arith=arith, interpret=interpret)
     plgpu.store(g_ref.at[row_sl, :], gx, mask=row_ok & (pl.program_id(1) == 0))
-    energies = [_residual(_quantize_chunk(xe, xo, gx, cfg.block_rows, cfg.chunk, arith), gx, arith)[-1] for xe, xo in chunks]
-    _store_energies(e_ref, row_sl, row_ok, [blocks(j) for j in range(len(chunks))], energies, k, pl.program_id(1) == 0)
-
-
-def _store_energies(e_ref, row_sl, row_ok, where, energies, k, pads):
-    """Store block energies ([bm, c / 16] each) at the column slices ``where`` of e_ref [T, W],
-    and where ``pads``, -1.0 in the columns from K/16 to W (a power of two)."""
-    for sl, e in zip(where, energies):
-        plgpu.store(e_ref.at[row_sl, sl], e, mask=row_ok)
+    for j, (xe, xo) in enumerate(chunks):
+        e = _residual(_quantize_chunk(xe, xo, gx, cfg.block_rows, cfg.chunk, arith), gx, arith)[-1]  # [bm, c / 16]
+        plgpu.store(e_ref.at[row_sl, blocks(j)], e, mask=row_ok)
     width = e_ref.shape[1]
     if width > k // 16:
         pad = (jnp.arange(width) >= k // 16)[None, :]
-        plgpu.store(e_ref.at[row_sl, pl.ds(0, width)], jnp.full((row_ok.shape[0], width), -1.0, jnp.float32),
-                    mask=row_ok & pad & pads)
+        plgpu.store(e_ref.at[row_sl, pl.ds(0, width)], jnp.full((cfg.block_rows, width), -1.0, jnp.float32),
+                    mask=row_ok & pad & (pl.program_id(1) == 0))
 
 
-def _rank_energies(e_ref, row_sl, row_ok, owned, n_sel):
-    """RAC's selection of the owned blocks (column slices ``owned`` of e_ref) against their
-    row's energies in e_ref (padded): the owned energies are loaded, not recomputed, so both
-    sides of each comparison have the same bits."""
-    load_e = lambda sl: plgpu.load(e_ref.at[row_sl, sl], mask=row_ok, other=0.0)
-    return _top_blocks([load_e(sl) for sl in owned], [load_e(pl.ds(0, e_ref.shape[1]))], n_sel)
-
-
-def _quant_kernel(x_ref, sel_ref, g_ref, a_ref, gx_ref, e_ref=None, *, t, k, cfg, n_sel, arith, interpret, order):
+def _quant_kernel(x_ref, sel_ref, g_ref, a_ref, gx_ref, *, t, k, cfg, n_sel, arith, interpret, order):
     """One program: ``block_rows`` token rows x the channels of part ``program_id(1)``.
     Inputs: x [T, K] and ``sel_ref`` [T, K/16]: for ``select="split"`` the selected blocks
     (int8), for "energies" the residual energies (float32), else None; ``g_ref`` the energy
     pass's global scales [T, 1] with either, else None. Outputs: the FP16 operand ``a_ref``
-    [rows, K] in the column ``order`` (rows from T on written as zeros), the per-token
-    global scales ``gx_ref`` [T, 1], and for ``select="fused"`` the scratch ``e_ref`` [T, W]
-    of the rows' energies."""
+    [rows, K] in the column ``order`` (rows from T on written as zeros) and the per-token
+    global scales ``gx_ref`` [T, 1]."""
     bm, c = cfg.block_rows, cfg.chunk
     i, p = pl.program_id(0), pl.program_id(1)
     row_sl, row_ok, at, blocks, chunks, row, gx = _program_rows(x_ref, t=t, k=k, cfg=cfg, arith=arith, interpret=interpret,
@@ -293,21 +269,17 @@ def _quant_kernel(x_ref, sel_ref, g_ref, a_ref, gx_ref, e_ref=None, *, t, k, cfg
         elif cfg.select == "split":
             selected = [plgpu.load(sel_ref.at[row_sl, blocks(j)], mask=row_ok, other=0) != 0 for j in range(len(owned))]
         elif cfg.select == "energies":
-            # the first kernel's energies, ranked (its padding, -1.0, is never larger than a real energy)
-            selected = _rank_energies(sel_ref, row_sl, row_ok, [blocks(j) for j in range(len(owned))], n_sel)
+            # the first kernel's energies: the owned blocks' (loaded, not recomputed, so both
+            # sides of each comparison have the same bits) ranked against the whole row's
+            # (its padding, -1.0, is never larger than a real energy)
+            load_e = lambda sl: plgpu.load(sel_ref.at[row_sl, sl], mask=row_ok, other=0.0)
+            selected = _top_blocks([load_e(blocks(j)) for j in range(len(owned))], [load_e(pl.ds(0, sel_ref.shape[1]))], n_sel)
         else:
             # with parts > 1 the row's energies come from its whole, quantized once more here
             # (the owned chunks' share again: their index is the program's, not a constant)
             row_energy = own_energy if row is None else [_residual(_quantize_chunk(xe, xo, gx, bm, c, arith), gx, arith)[-1]
                                                         for xe, xo in row]
-            if cfg.select == "rank":
-                selected = _top_blocks(own_energy, row_energy, n_sel)
-            else:  # "fused": through the scratch output; a row's programs write the same bits there
-                _store_energies(e_ref, row_sl, row_ok, [pl.ds(j * (c // 16), c // 16) for j in range(len(row_energy))],
-                                row_energy, k, True)
-                if not interpret:  # interpret mode runs the programs one after another
-                    plgpu.debug_barrier()  # CUDA's __syncthreads: the program's global stores, visible to all its threads
-                selected = _rank_energies(e_ref, row_sl, row_ok, [blocks(j) for j in range(len(owned))], n_sel)
+            selected = _top_blocks(own_energy, row_energy, n_sel)
         gr = gx * rac.RESIDUAL_SCALE_FACTOR
         for j, (re, ro, _) in enumerate(residuals):
             m = selected[j][:, :, None]
@@ -350,17 +322,14 @@ def _quant_call(x, *, n_sel, cfg, interpret, order, rows):
             name="nvfp4_residual_energies",
         )(x)
         sel = _selected_blocks(e, n_sel).astype(jnp.int8) if cfg.select == "split" else e
-    out_shape = (jax.ShapeDtypeStruct((rows, k), jnp.float16), jax.ShapeDtypeStruct((t, 1), jnp.float32))
-    if cfg.select == "fused" and 0 < n_sel < k // 16:  # the scratch of the rows' energies
-        out_shape += (jax.ShapeDtypeStruct((t, pl.next_power_of_2(k // 16)), jnp.float32),)
     return pl.pallas_call(
         functools.partial(_quant_kernel, t=t, k=k, cfg=cfg, n_sel=n_sel, arith=arith, interpret=interpret, order=order),
-        out_shape=out_shape,
+        out_shape=(jax.ShapeDtypeStruct((rows, k), jnp.float16), jax.ShapeDtypeStruct((t, 1), jnp.float32)),
         grid=(pl.cdiv(rows, cfg.block_rows), cfg.parts),
         compiler_params=params,
         interpret=interpret,
         name="nvfp4_quantize_activations",
-    )(x, sel, g)[:2]
+    )(x, sel, g)
 
 
 # ----------------------------------------------------------------------------- public API

@@ -211,20 +211,19 @@ def _nvfp4_launches(ws):
 
 
 def linear(x, w, mode: str, *, dtype=jnp.bfloat16, rac_ratio: float = 0.0, rac_sum: str = "fp16", backend=None,
-           operand_dtype=None, rac_select: str = "auto"):
+           operand_dtype=None):
     """``x @ W.T`` for x [..., K] (or QuantizedRows [T, K]) and W [N, K] (float, NVFP4Tensor
     or FP8Tensor). ``w`` may be a list of weights that read the same x (q/k/v, gate/up):
     the list of their outputs, from one kernel launch when they are NVFP4. Float products take
     their operands in ``operand_dtype`` (default ``dtype``) and accumulate in FP32: the head
-    reads BF16 operands and returns FP32 logits. ``rac_select``: ``KernelConfig.rac_select``."""
+    reads BF16 operands and returns FP32 logits."""
     ws, many = _weights(w)
     lead = x.shape[:-1]
     x2 = x if isinstance(x, pk.QuantizedRows) else x.reshape(-1, x.shape[-1])
     launches = _nvfp4_launches(ws)
     if launches is not None:
-        qc = _quant_config(x2, rac_select)
         ys = sum((pk.nvfp4_matmul(_bf16(x2), g, rac_ratio=rac_ratio if mode == "w4a4" else 0.0, rac_sum=rac_sum, act_scale="token",
-                                  mode="w4a16" if mode == "w4a16" else "w4a4", backend=backend, out_dtype=dtype, quant_config=qc)
+                                  mode="w4a16" if mode == "w4a16" else "w4a4", backend=backend, out_dtype=dtype)
                   for g in launches), ())
     else:
         ys = tuple(_linear_one(x2, wi, mode, dtype=dtype, backend=backend, operand_dtype=operand_dtype or dtype) for wi in ws)
@@ -267,22 +266,13 @@ def _dot_nt_bwd(res, g):
 _dot_nt.defvjp(_dot_nt_fwd, _dot_nt_bwd)
 
 
-def _quant_config(x, rac_select: str):
-    """The activation quantizer's tiles for x [T, K] with RAC's selection ``rac_select``
-    (``KernelConfig.rac_select``): None (the heuristic's own) for "auto" and for rows
-    quantized already."""
-    if rac_select == "auto" or isinstance(x, pk.QuantizedRows):
-        return None
-    return pk.quant_config(x.shape[0], x.shape[1], select=rac_select)
-
-
-def quantize_rows_for(x, w, mode: str, *, rac_ratio: float = 0.0, rac_sum: str = "fp16", backend=None, rac_select: str = "auto"):
+def quantize_rows_for(x, w, mode: str, *, rac_ratio: float = 0.0, rac_sum: str = "fp16", backend=None):
     """x [T, K] quantized once (``pk.QuantizedRows``) for the GEMMs with weight ``w`` (or
     weights quantized like it) in ``mode``: what ``linear`` / ``grouped_linear`` would
     compute, shared by several weights or gathered by rows (the MoE dispatch). Other modes
     and weights, and RAC summed exactly (QuantizedRows hold the FP16 sum), get x back."""
     if isinstance(w, nvfp4.NVFP4Tensor) and mode == "w4a4" and not (rac_ratio > 0 and rac_sum == "exact"):
-        return pk.quantize_rows(x.astype(jnp.bfloat16), rac_ratio=rac_ratio, backend=backend, config=_quant_config(x, rac_select))
+        return pk.quantize_rows(x.astype(jnp.bfloat16), rac_ratio=rac_ratio, backend=backend)
     return x
 
 
@@ -296,7 +286,7 @@ def _bf16(x):
 
 
 def grouped_linear(x, w, group_sizes, mode: str, *, dtype=jnp.bfloat16, rac_ratio: float = 0.0, rac_sum: str = "fp16", backend=None,
-                   grouped: str = "auto", tiles=None, rac_select: str = "auto"):
+                   grouped: str = "auto", tiles=None):
     """Per-expert ``x_e @ W_e.T`` for rows of x [M, K] (or QuantizedRows) sorted by expert and
     W [E, N, K]; ``w`` may be a list of expert weights that read the same rows (gate/up): the
     list of outputs, from one kernel launch when they are NVFP4. Rollout float weights
@@ -306,10 +296,9 @@ def grouped_linear(x, w, group_sizes, mode: str, *, dtype=jnp.bfloat16, rac_rati
     ws, many = _weights(w)
     launches = _nvfp4_launches(ws)
     if launches is not None:
-        qc = _quant_config(x, rac_select)
         ys = sum((pk.nvfp4_grouped_matmul(_bf16(x), g, group_sizes, rac_ratio=rac_ratio if mode == "w4a4" else 0.0,
                                           rac_sum=rac_sum, act_scale="token", mode="w4a16" if mode == "w4a16" else "w4a4", backend=backend,
-                                          out_dtype=dtype, quant_config=qc)
+                                          out_dtype=dtype)
                   for g in launches), ())
     elif all(isinstance(wi, fp8.FP8Tensor) for wi in ws):
         t = (tiles or pk.KernelConfig().grouped_tiles).infer

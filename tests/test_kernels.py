@@ -604,7 +604,7 @@ def test_quant_config_is_checked(rng):
 
 
 @pytest.mark.parametrize("parts,chunk,select,rhos", [
-    (2, 128, "rank", (0.0, 0.25)), (4, 64, "energies", (0.25,)), (4, 64, "split", (0.25,)), (2, 128, "fused", (0.25,)),
+    (2, 128, "rank", (0.0, 0.25)), (4, 64, "energies", (0.25,)), (4, 64, "split", (0.25,)),
     pytest.param(2, 64, "rank", (0.25,), marks=pytest.mark.slow), pytest.param(8, 64, "rank", (0.0, 0.25), marks=pytest.mark.slow)])
 def test_quantizer_row_split_is_bit_identical(rng, parts, chunk, select, rhos):
     """``QuantConfig.parts`` programs a row (each storing its share of the channels, the
@@ -633,7 +633,7 @@ def test_split_selection_with_two_rows_a_program_and_padded_rows(rng):
 
 
 def test_selections_of_rows_of_any_block_count(rng):
-    """``select="energies"`` and "fused" with a block count that is not a power of two (48 and 24
+    """``select="energies"`` with a block count that is not a power of two (48 and 24
     blocks: each row's energies are padded to 64 / 32 with -1.0, which no real energy is below),
     and the in-kernel rank over 48 blocks (quant_config's choice at K = 768) and over two rows of
     two chunks (its choice for prefill's 512-channel rows): the reference's bits
@@ -641,7 +641,6 @@ def test_selections_of_rows_of_any_block_count(rng):
     multiple of the row tile."""
     for t, k, cfg, rho in ((5, 768, pk.QuantConfig(chunk=256, select="energies"), 0.5),
                            (9, 384, pk.QuantConfig(block_rows=2, chunk=64, parts=2, select="energies"), 0.25),
-                           (9, 384, pk.QuantConfig(block_rows=2, chunk=64, parts=2, select="fused"), 0.25),
                            (5, 768, pk.quant_config(64, 768), 0.5),
                            (5, 512, pk.quant_config(2048, 512), 0.5)):  # two rows a program, two chunks a row
         x = heavy(rng, (t, k))
@@ -676,26 +675,6 @@ def test_quant_config_rejects_tiles_that_cannot_run():
     pk.QuantConfig(chunk=128, select="energies").check(512)
 
 
-def test_rac_select_reaches_the_quantizers_of_linears_and_experts(rng):
-    """``KernelConfig.rac_select`` as the model passes it (precision.linear, grouped_linear,
-    quantize_rows_for): "fused" quantizes each input in one launch where "auto" takes two
-    (the energy pass, then the quantizer), with the same bits."""
-    from quads_jax import precision as P
-
-    x = jnp.asarray(heavy(rng, (16, 1024))).astype(jnp.bfloat16)
-    w = nvfp4.quantize(jnp.asarray(rng.standard_normal((64, 1024)).astype(np.float32)))
-    we = nvfp4.quantize(jnp.asarray(rng.standard_normal((2, 32, 1024)).astype(np.float32)), keep_axes=(0,))
-    sizes = jnp.asarray([9, 7])
-    ops = {"linear": lambda v, s: P.linear(v, w, "w4a4", rac_ratio=0.5, backend="pallas", rac_select=s),
-           "grouped": lambda v, s: P.grouped_linear(v, we, sizes, "w4a4", rac_ratio=0.5, backend="pallas", rac_select=s),
-           "rows": lambda v, s: P.quantize_rows_for(v, w, "w4a4", rac_ratio=0.5, backend="pallas", rac_select=s).a}
-    for name, f in ops.items():
-        launches = {s: str(jax.make_jaxpr(lambda v: f(v, s))(x)).count("pallas_call") for s in ("auto", "fused")}
-        assert launches["auto"] == launches["fused"] + 1, (name, launches)
-    a, b = (np.asarray(ops["rows"](x, s)).view(np.uint16) for s in ("auto", "fused"))
-    np.testing.assert_array_equal(a, b)
-
-
 def test_quant_config_splits_rows_at_decode_sizes():
     from pallas_kernels.quantizer import quant_config
 
@@ -708,13 +687,6 @@ def test_quant_config_splits_rows_at_decode_sizes():
     assert [quant_config(t, k).select for t, k in ((16, 4096), (256, 1024), (2048, 512), (2048, 8192), (16, 768), (64, 8192),
                                                    (512, 512))] == ["energies", "energies", "rank", "split", "rank", "split", "energies"]
     assert quant_config(16, 2048).parts == 8 and quant_config(16, 1024).parts == 4  # each part owns >= 256 channels
-    # KernelConfig.rac_select: every rankable row takes it, longer rows keep split
-    assert [quant_config(t, k, select="fused").select for t, k in ((64, 1024), (2048, 512), (64, 8192))] == ["fused", "fused", "split"]
-    assert quant_config(64, 1024, select="fused").parts == quant_config(64, 1024).parts
-    with pytest.raises(ValueError, match="select='sort'"):
-        quant_config(64, 1024, select="sort")
-    with pytest.raises(ValueError, match="kernels.rac_select='sort'"):
-        pk.KernelConfig(rac_select="sort")
     for t, k in ((1, 4096), (16, 4096), (64, 1024), (16, 768), (4096, 4096)):
         cfg = quant_config(t, k)
         cfg.check(k)

@@ -40,14 +40,14 @@ class Linear(nnx.Module):
 
     def __call__(self, x, prec: P.Precision, dtype):
         return P.linear(x, value(self.w), prec.mode(self.kind), dtype=dtype, rac_ratio=prec.rac_ratio, rac_sum=prec.rac_sum,
-                        backend=prec.backend, rac_select=prec.kernels.rac_select)
+                        backend=prec.backend)
 
 
 def linears(x, mods, prec: P.Precision, dtype):
     """The outputs of several linears of one kind that read the same x (q/k/v, gate/up): one
     kernel launch under an NVFP4 recipe."""
     return P.linear(x, [value(m.w) for m in mods], prec.mode(mods[0].kind), dtype=dtype, rac_ratio=prec.rac_ratio,
-                    rac_sum=prec.rac_sum, backend=prec.backend, rac_select=prec.kernels.rac_select)
+                    rac_sum=prec.rac_sum, backend=prec.backend)
 
 
 class RMSNorm(nnx.Module):

@@ -63,7 +63,7 @@ def expert_ffn(xs, w_gate, w_up, w_down, group_sizes, prec: P.Precision, dtype):
     mode = prec.mode("experts")
     gl = lambda a, w: P.grouped_linear(a, w, group_sizes, mode, dtype=dtype, rac_ratio=prec.rac_ratio, rac_sum=prec.rac_sum,
                                        backend=prec.backend, grouped=prec.kernels.grouped,
-                                       tiles=prec.kernels.grouped_tiles, rac_select=prec.kernels.rac_select)
+                                       tiles=prec.kernels.grouped_tiles)
     g, u = gl(xs, [w_gate, w_up])  # one launch for both under an NVFP4 recipe
     h = jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)
     return gl(h.astype(dtype), w_down)
@@ -80,7 +80,7 @@ def moe_ffn(x, ids, weights, w_gate, w_up, w_down, prec, dtype):
     # NVFP4 rollouts quantize the N tokens once (per-token scales), not their N x k copies,
     # and the gate and up GEMMs share that: the same numbers as quantizing the sorted rows
     xin = P.quantize_rows_for(x, w_gate, prec.mode("experts"), rac_ratio=prec.rac_ratio, rac_sum=prec.rac_sum,
-                              backend=prec.backend, rac_select=prec.kernels.rac_select)
+                              backend=prec.backend)
     if isinstance(xin, jax.Array):
         xs = jnp.repeat(xin, k, axis=0).at[order].get(unique_indices=True)  # == xin[token]
     else:
