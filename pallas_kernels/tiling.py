@@ -82,10 +82,11 @@ def gemm_config(t: int, n: int, k: int, programs_per_row_tile: int = 1, num_sms:
     decode = "words" if bk >= 128 else "bits"  # the word decode, measured with K tiles of 128 and 256
     bn = 64 if n < 128 else 128
     warps, stages = 4, 4
-    if grouped and bm == 16 and n >= 512:
-        # decode-size expert items (a few rows each): 256-wide N tiles with 8 warps, half the
-        # programs, each with twice the work, measured faster at the bench model's down
-        # projection and no slower at its gate/up; with 64-row items it was no faster
+    if grouped and bm == 16 and n >= 512 and k // bk <= 4:
+        # decode-size expert items (a few rows each) with short K: 256-wide N tiles with 8
+        # warps, half the programs, each with twice the work, measured faster at the bench
+        # model's down projection (K 512); at its gate/up (K 1024) 128-wide tiles were faster,
+        # and with 64-row items 256 was no faster
         bn, warps, stages = 256, 8, 3
     tiles = -(-t // bm) * -(-n // bn) * programs_per_row_tile
     if not grouped:
