@@ -214,8 +214,8 @@ def sweep(res, cfg, params, recipes, batches, prompts, new_tokens, copy_tbps, de
 def speed_ratios(sw: dict) -> list[tuple]:
     """(batch, quads recipe, other recipe, quads's step-time ratio, quads's tok/s ratio or
     None) for each recipe measured beside a quads recipe at one batch with the same
-    ``@field=value`` settings: the issue's targets
-    (quads >= 0.9x nvfp4_naive, >= 1.3x fp8, >= 2x bf16) read off directly."""
+    ``@field=value`` settings: the issue's targets (quads >= 0.9x nvfp4_naive, >= 1.3x fp8,
+    >= 2x bf16) read off directly."""
     out = []
     for key, q in sw.items():
         name, batch = key.split("/")
@@ -225,7 +225,7 @@ def speed_ratios(sw: dict) -> list[tuple]:
         for key2, o in sw.items():
             name2, batch2 = key2.split("/")
             base2, _, fields2 = name2.partition("@")
-            if batch2 != batch or base2 == "quads" or "step_ms" not in o or fields2 != fields:
+            if batch2 != batch or base2 == "quads" or fields2 != fields or "step_ms" not in o:
                 continue
             tq, to = q.get("output_tok_per_s"), o.get("output_tok_per_s")
             out.append((int(batch[1:]), name, name2, o["step_ms"] / q["step_ms"], tq / to if tq and to else None))
