@@ -102,11 +102,12 @@ def quant_cases(tiny: bool):
     import pallas_kernels as pk
     rng = np.random.default_rng(3)
     cases = []
-    # (256, 14336): rows of 896 blocks (an 8B-class MLP's down projection), past RANK_MAX_BLOCKS:
-    # split ranks them by a sort; the in-kernel all-pairs counts (rank, energies) are not tried there.
+    # (256, 14336): rows of 896 blocks (an 8B-class MLP's down projection), past RANK_MAX_BLOCKS
+    # (quant_config's split ranks them by a sort); (64 / 256, 4096): 256-block rows (its up projection)
     # (64, 768): Qwen3-30B-A3B's expert down projection, 48 blocks a row (energies pads them to 64)
     # (512, 512): the bench model's down projection in a batch-64 decode step (64 tokens x top-8)
-    for t, k in ((8, 256),) if tiny else ((256, 1024), (256, 2048), (64, 1024), (2048, 512), (512, 512), (256, 14336), (64, 768)):
+    for t, k in ((8, 256),) if tiny else ((256, 1024), (256, 2048), (64, 1024), (2048, 512), (512, 512), (256, 14336), (64, 768),
+                                                              (64, 4096), (256, 4096)):
         # heavy-tailed channels, as activations are: per-channel magnitudes spread over e^(+-2)
         x = jnp.asarray(rng.standard_normal((t, k)) * np.exp(rng.standard_normal(k)), jnp.bfloat16)
         base = pk.quant_config(t, k)
@@ -117,20 +118,18 @@ def quant_cases(tiny: bool):
             shape = f"T{t} K{k} rho{rho}"
             nbytes = t * k * 4  # read BF16, write FP16
             variants = {"default": base}
-            rankable = k // 16 <= pk.RANK_MAX_BLOCKS
             # the one-launch form for RAC: a program owns its row in 256-channel chunks and
-            # ranks its own energies. With whole-row 512- and 1024-channel chunks one program a
-            # row measured 7-50x slower, and the in-kernel rank at larger chunks 2-68x slower
-            # (2026-12-07-h100-command-buffers): those forms left the registry
-            if rho < 1 and rankable and (base.parts > 1 or base.chunk > 256):
+            # selects in its own energies. With whole-row 512- and 1024-channel chunks one
+            # program a row measured 7-50x slower (2026-12-07-h100-command-buffers, with the
+            # all-pairs selection): those forms left the registry
+            if rho < 1 and (base.parts > 1 or base.chunk > 256):
                 variants["one program a row, chunk 256"] = dataclasses.replace(base, parts=1, chunk=256, num_warps=8, select="rank")
             # other chunks at the default layout (warps as quant_config gives them)
             for c in (256, 512):
                 if c != base.chunk and (k // base.parts) % c == 0 and rho < 1:
                     variants[f"chunk {c}"] = dataclasses.replace(base, chunk=c, num_warps=8 if c >= 512 or base.parts == 1 else 4)
             if rho == 0.5:  # the other selections
-                variants.update({f"select {s}": dataclasses.replace(base, select=s) for s in pk.RAC_SELECTS
-                                 if s != base.select and (s == "split" or rankable)})
+                variants.update({f"select {s}": dataclasses.replace(base, select=s) for s in pk.RAC_SELECTS if s != base.select})
             if rho == 0.5 or (rho == 0 and base.chunk <= 256):  # 256-channel chunks: warps mattered 4.8x (T64 K768)
                 variants.update({f"{w} warps": dataclasses.replace(base, num_warps=w) for w in (4, 8, 16) if w != base.num_warps})
             for name, c in variants.items():
@@ -293,6 +292,23 @@ def grouped_cases(tiny: bool):
     return cases
 
 
+def _chunked_xla_grouped_dot(x, w, group_sizes, chunk: int):
+    """``grouped_dot(impl="xla")`` over rows [i, i + chunk) at a time, each with the group sizes
+    of its rows (host-side: the registry's group sizes are concrete), concatenated: the same
+    products, with XLA's dense expansion bounded by the chunk instead of all the rows."""
+    import jax.numpy as jnp
+
+    import pallas_kernels as pk
+    ends = np.cumsum(np.asarray(group_sizes))
+    starts = ends - np.asarray(group_sizes)
+    parts = []
+    for a in range(0, x.shape[0], chunk):
+        b = min(a + chunk, x.shape[0])
+        gs = np.clip(np.minimum(ends, b) - np.maximum(starts, a), 0, None).astype(np.int32)
+        parts.append(pk.grouped_dot(x[a:b], w, jnp.asarray(gs), impl="xla"))
+    return jnp.concatenate(parts)
+
+
 def train_grouped_cases(tiny: bool):
     import jax
     import jax.numpy as jnp
@@ -318,7 +334,8 @@ def train_grouped_cases(tiny: bool):
                      "tokamax triton": lambda x, w: __import__("tokamax").ragged_dot(
                          x, jnp.swapaxes(w, 1, 2), gs, preferred_element_type=x.dtype, implementation="triton")}
             # XLA's ragged_dot expands densely over the experts: its memory grows with rows x experts
-            ref = grad(lambda x, w: pk.grouped_dot(x, w, gs, impl="xla")) if m <= 65536 or tiny else None
+            # (at 65536 rows one call asked for 40 GiB), so the reference runs in 8192-row chunks
+            ref = grad(lambda x, w: _chunked_xla_grouped_dot(x, w, gs, 8192)) if m <= 65536 or tiny else None
             shape = f"{name} M{m} ({e}x{k}->{n})"
             common = dict(bytes=float(3 * (m * k + m * n) * 2 + 3 * e * k * n * 2), flops=6.0 * m * k * n, tol=1e-2)
             dy = jax.random.normal(jax.random.key(5), (m, n), jnp.bfloat16)
@@ -326,7 +343,7 @@ def train_grouped_cases(tiny: bool):
                 cases.append(Case("train_grouped", shape, "fwd+bwd", impl, grad(dot), (x, w, dy), ref=ref,
                                   kept=impl.startswith("tokamax (default"), **common))
             if ref is not None:
-                cases.append(Case("train_grouped", shape, "fwd+bwd", "xla", ref, (x, w, dy), **common))
+                cases.append(Case("train_grouped", shape, "fwd+bwd", "xla (8192-row chunks)", ref, (x, w, dy), **common))
             # the dW product alone (x_e.T @ dy_e, our kernel): its programs' launch order
             dw_tiles = pk.DwTiles(block_k=16, block_n=16, block_r=16) if tiny else pk.KernelConfig().grouped_tiles.dw
             dw_ref = (lambda x, dy: pk.grouped_dw_xla(x, dy, gs)) if m <= 65536 or tiny else None

@@ -74,27 +74,21 @@ def _burst_args(eng, batch, live):
     cache["lengths"] = jnp.full((b,), live, jnp.int32)
     return [eng._state, np.ones(b, np.int32), np.ones(b, bool), cache, np.ones(b, np.float32), np.ones(b, np.float32),
             np.zeros(b, np.int32), np.arange(b, dtype=np.uint32), np.full(b, live, np.int32), np.full(b, 10**6, np.int32),
-            np.full((b, eng.max_stop_ids), -1, np.int32), np.int32(eng.decode_burst)]
+            np.full((b, eng.max_stop_ids), -1, np.int32)]
 
 
 STATIC = dict(want_top=False, filtered=False)  # the burst's static flags: no top log-probs, no top-k / top-p
 
 
-def step_seconds(eng, batch, live, bursts=6, static_loop=False):
+def step_seconds(eng, batch, live, bursts=6):
     """Seconds of one decode step at a cache length of about ``live``: donated 16-step bursts
-    (the engine's own jitted loop), timed after a first one, divided by the steps.
-    ``static_loop``: the same burst with its trip count a constant instead of a traced value
-    (XLA:GPU then runs the loop without copying its predicate to the host every step)."""
+    (the engine's own jitted loop), timed after a first one, divided by the steps."""
     import jax
     import jax.numpy as jnp
 
     start = max(1, live - eng.decode_burst * bursts // 2)
     args = _burst_args(eng, batch, start)
-    if static_loop:  # the trip count bound while tracing, in place of the traced last argument
-        args = args[:-1]
-        call = jax.jit(functools.partial(eng._burst_impl, n_steps=eng.decode_burst, **STATIC), donate_argnames=("cache",))
-    else:
-        call = functools.partial(eng._burst, **STATIC)
+    call = functools.partial(eng._burst, **STATIC)
     out, args[3] = call(*args)
     jax.block_until_ready(out)
     args[3]["lengths"] = jnp.full((batch,), start, jnp.int32)
@@ -153,8 +147,7 @@ def recipe_of(spec: str):
     return P.rollout_recipe(name, kernels=pk.KernelConfig.from_dict(kernels))
 
 
-def sweep(res, cfg, params, recipes, batches, prompts, new_tokens, copy_tbps, deadline, prompt_len=64, profile=(), hlo_dir=None,
-          static_loop=False):
+def sweep(res, cfg, params, recipes, batches, prompts, new_tokens, copy_tbps, deadline, prompt_len=64, profile=(), hlo_dir=None):
     from rollout.engine import Engine, Request
 
     rng = np.random.default_rng(0)
@@ -177,12 +170,10 @@ def sweep(res, cfg, params, recipes, batches, prompts, new_tokens, copy_tbps, de
                 eng.generate([dataclasses.replace(r, max_new_tokens=min(new_tokens, eng.decode_burst + 1)) for r in reqs[:batch]])  # compile
                 compile_s = time.time() - t0
                 step = step_seconds(eng, batch, live)
-                static_ms = step_seconds(eng, batch, live, static_loop=True) * 1e3 if static_loop else None
                 wb = weight_bytes_per_step(eng._state, cfg, batch)
                 kv = kv_bytes_per_step(cfg, batch, live)
                 limit = (wb + kv) / (copy_tbps * 1e12)
-                row = {"step_ms": step * 1e3, **({"step_ms_static_loop": static_ms} if static_ms else {}),
-                       "byte_limit_ms": limit * 1e3, "x_byte_limit": step / limit,
+                row = {"step_ms": step * 1e3, "byte_limit_ms": limit * 1e3, "x_byte_limit": step / limit,
                        "weight_MB_per_step": wb / 1e6, "kv_MB_per_step": kv / 1e6, "compile_s": compile_s}
                 if time.time() + (n_req + batch) * new_tokens / batch * step * 1.5 < deadline:
                     eng.generate(reqs[:batch])  # one full wave untimed: every burst and prefill shape compiled
@@ -253,11 +244,6 @@ def markdown(res):
             lines += ["quads's speed over each other recipe's at the same batch and kernel settings (above 1: quads faster):", "",
                       "| batch | quads | vs | by step time | by output tok/s |", "|---|---|---|---|---|"]
             lines += [f"| {b} | {q} | {other} | {st:.3f} | {'-' if tp is None else f'{tp:.3f}'} |" for b, q, other, st, tp in rat] + [""]
-        static = [(k, v) for k, v in sw.items() if v.get("step_ms_static_loop")]
-        if static:
-            lines += ["Decode step with the burst's trip count a constant (no per-step predicate copy to the host):", "",
-                      "| recipe / batch | step ms (engine) | step ms (constant trip count) |", "|---|---|---|"]
-            lines += [f"| {k} | {v['step_ms']:.3f} | {v['step_ms_static_loop']:.3f} |" for k, v in static] + [""]
         for k, v in sw.items():
             ker = v.get("kernels_us_per_step")
             if ker:
@@ -310,8 +296,6 @@ def main():
     ap.add_argument("--budget", type=float, default=1e9, help="seconds; later sweep entries are skipped past it")
     ap.add_argument("--profile-batches", default="256", help="batches whose decode step gets a per-kernel breakdown ('' for none)")
     ap.add_argument("--tiny", action="store_true", help="a small model and sizes: checks the harness on a CPU")
-    ap.add_argument("--static-loop", action="store_true",
-                    help="also time each decode step with the burst's trip count a constant (step_ms_static_loop)")
     a = ap.parse_args()
     t_start = time.time()
     from flax import nnx
@@ -328,7 +312,7 @@ def main():
     try:
         sweep(res, cfg, params, a.recipes.split(","), [int(b) for b in a.batches.split(",")], a.prompts, a.new_tokens,
               ceil.get("copy_TBps") or 1.0, t_start + a.budget, prompt_len=16 if a.tiny else 64,
-              profile=[int(b) for b in a.profile_batches.split(",") if b], hlo_dir=a.out, static_loop=a.static_loop)
+              profile=[int(b) for b in a.profile_batches.split(",") if b], hlo_dir=a.out)
     except Exception as e:
         res.data["errors"]["sweep"] = f"{type(e).__name__}: {e}"[:600]
         traceback.print_exc()

@@ -7,11 +7,14 @@
 Scheduling: ``max_batch`` slots share one preallocated cache (donated to every jitted
 call, so it is updated in place). Each iteration admits waiting requests into free slots
 (one jitted prefill over the batch in which only the new rows are real), then runs a
-*decode burst*: up to ``decode_burst`` decode steps in one jitted loop on the device, with
+*decode burst*: ``decode_burst`` decode steps in one jitted loop on the device, with
 sampling, stop tokens and length limits checked there (a row that finishes stops writing
 its cache and emitting tokens), and one transfer to the host at the end. A finished
-sequence frees its slot for the next waiting request at the end of the burst; while
-requests wait, a burst is cut to the fewest tokens any active row still needs. Sampling
+sequence frees its slot for the next waiting request at the end of the burst. Every burst
+runs all its steps: a constant trip count lets XLA run the loop without copying its
+predicate to the host each step (21% of a batch-64 step on an H100,
+benchmarks/results/2026-12-07-h100-static-registries), worth more than the at most
+``decode_burst - 1`` idle steps of a slot that frees mid-burst. Sampling
 is per row with its own seed (``fold_in(key(seed), position)``), so a request's tokens
 do not depend on what it is batched with nor on the burst length. Quantized recipes use
 per-token activation scales for the same reason.
@@ -252,9 +255,9 @@ class Engine:
         ptop = top_logprobs(pred, jnp.any(want_prompt & want_top & mask.any(1)))
         return tok, lp, cache, at_last, top, every, plp, ptop
 
-    def _burst_impl(self, state, tok, alive, cache, temperature, top_p, top_k, seeds, pos, remaining, stops, n_steps,
+    def _burst_impl(self, state, tok, alive, cache, temperature, top_p, top_k, seeds, pos, remaining, stops,
                     want_top: bool, filtered: bool):
-        """Up to ``n_steps`` (<= decode_burst) decode steps in one device loop. Row b feeds its
+        """``decode_burst`` decode steps in one device loop (a constant trip count). Row b feeds its
         last token while ``alive[b]``; it stops after ``remaining[b]`` tokens or on a token in
         ``stops[b]`` (padded with -1). ``want_top`` (top log-probs for every row) and
         ``filtered`` (some row filters by top-k / top-p) are static: the step holds no
@@ -288,7 +291,7 @@ class Engine:
             stopped = jnp.any(t[:, None] == stops, axis=1)
             return jnp.where(alive, t, tok), alive & (rem > 0) & ~stopped, cache, pos + step_on, rem, out
 
-        carry = jax.lax.fori_loop(0, n_steps, body, (tok, alive, cache, pos, remaining, out))
+        carry = jax.lax.fori_loop(0, nb, body, (tok, alive, cache, pos, remaining, out))
         return carry[5], carry[2]
 
     # -- generation
@@ -463,17 +466,14 @@ class Engine:
             remaining = np.zeros(b, np.int32)
             for s in active:
                 remaining[s] = requests[slot_req[s]].max_new_tokens - len(out_ids[slot_req[s]])
-            # while requests wait, stop as soon as a slot is due to free; otherwise run a full burst
-            due = remaining[active].min() if waiting else remaining[active].max()
-            n = int(min(self.decode_burst, due))
             any_top = bool(want_top[active].any())
             out, cache = self._burst(state, last_tok, remaining > 0, cache, temp, topp, topk, seeds, positions(),
-                                     remaining, stops, np.int32(n), want_top=any_top, filtered=filtered(active))
+                                     remaining, stops, want_top=any_top, filtered=filtered(active))
             if not any_top:  # the top log-probs were not computed: leave them on the device
                 out = {k: v for k, v in out.items() if not k.startswith("top_")}
             out = jax.device_get(out)
-            record(active, out["tok"][:n], out["lp"][:n], out["emitted"][:n], out.get("experts"),
-                   (out["top_lp"][:n], out["top_id"][:n]) if "top_lp" in out else None)
+            record(active, out["tok"], out["lp"], out["emitted"], out.get("experts"),
+                   (out["top_lp"], out["top_id"]) if "top_lp" in out else None)
         return [Result(output_ids=out_ids[i], logprobs=out_lp[i], finish_reason=finish[i],
                        prompt_tokens=len(requests[i].prompt), weight_version=version,
                        experts=out_ex[i] if requests[i].return_experts else None,

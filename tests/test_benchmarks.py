@@ -40,12 +40,11 @@ def test_kernel_registry_checks_every_case_against_its_reference(tmp_path):
 def test_rollout_sweep_times_every_recipe(tmp_path):
     # a recipe with a KernelConfig field set (the decode attention's XLA reference)
     _run("bench_rollout.py", tmp_path, "--batches", "4", "--recipes", "bf16,quads,quads@decode_attention=xla", "--prompts", "8",
-         "--new-tokens", "16", "--profile-batches", "4", "--static-loop")
+         "--new-tokens", "16", "--profile-batches", "4")
     res = json.load(open(tmp_path / "rollout.json"))
     for key in ("bf16/B4", "quads/B4", "quads@decode_attention=xla/B4"):
         row = res["sections"]["sweep"][key]
         assert row["step_ms"] > 0 and row["x_byte_limit"] > 0 and row["output_tok_per_s"] > 0, row
-        assert row["step_ms_static_loop"] > 0, row  # the same burst with a constant trip count
         assert "kernels_us_per_step" in row or "kernels_error" in row, row  # CUPTI needs a GPU
     assert os.path.exists(tmp_path / "rollout.png")
     import gzip

@@ -656,10 +656,12 @@ def test_selections_of_rows_of_any_block_count(rng):
         assert_operand_equal(x, rho, cfg, order=("words", 128))
 
 
-def test_split_selection_of_long_rows_sorts_with_ties(rng):
-    """Rows longer than RANK_MAX_BLOCKS blocks are ranked by a sort (``lax.top_k`` of the
-    energies' bits), not the all-pairs count: the reference's bits, with a tie across the
-    selection boundary, an all-tied row and an all-zero row."""
+@pytest.mark.parametrize("select", ["split", "energies"])
+def test_selection_of_long_rows_with_ties(rng, select):
+    """Rows longer than RANK_MAX_BLOCKS blocks (quant_config's split: XLA's sort) and the
+    kernel's own threshold search over them (energies: 288 blocks padded to 512): the
+    reference's bits, with a tie across the selection boundary, an all-tied row and an
+    all-zero row."""
     from pallas_kernels.quantizer import RANK_MAX_BLOCKS
 
     k = 16 * (RANK_MAX_BLOCKS + 32)
@@ -668,7 +670,7 @@ def test_split_selection_of_long_rows_sorts_with_ties(rng):
     blocks[1] = blocks[1, :1]  # every block equal: all tie, all selected
     blocks[2, 100:200] = blocks[2, 0]  # a run of ties spanning the boundary
     x = jnp.asarray(blocks.reshape(5, k)).astype(jnp.bfloat16).at[3].set(0.0)
-    assert_operand_equal(x, 0.5, pk.QuantConfig(chunk=256, parts=2, select="split"), order=("words", 128))
+    assert_operand_equal(x, 0.5, pk.QuantConfig(chunk=256, parts=2, select=select), order=("words", 128))
 
 
 def test_quant_config_rejects_tiles_that_cannot_run():
@@ -705,7 +707,7 @@ def test_quant_config_splits_rows_at_decode_sizes():
     assert quant_config(2048, 1024).chunk == 512  # two parts of a row: chunks as before
 
 
-# split ranks in XLA only past RANK_MAX_BLOCKS by default (test_split_selection_of_long_rows_...)
+# split ranks in XLA only past RANK_MAX_BLOCKS by default (test_selection_of_long_rows_with_ties)
 # "energies" with ties: test_selections_of_rows_of_any_block_count (also across programs)
 @pytest.mark.parametrize("select", ["rank", pytest.param("split", marks=pytest.mark.slow),
                                     pytest.param("energies", marks=pytest.mark.slow)])
