@@ -425,7 +425,7 @@ def weight_quant_cases(tiny: bool):
                   Case("weight_quant", name, "fake quant", "xla", ref, (w,), **common),
                   Case("weight_quant", name, "cast (the bf16 policy's)", "xla", lambda v: v.astype(jnp.bfloat16), (w,),
                        bytes=w.size * 6.0)]
-        for br, bk, nw in () if tiny else ((16, 512, 8), (4, 1024, 4), (8, 256, 4)):
+        for br, bk, nw in () if tiny else ((16, 512, 8), (4, 1024, 4), (8, 512, 4), (8, 128, 4)):
             cfg = pk.FakeQuantConfig(block_rows=br, block_k=bk, num_warps=nw)
             cases.append(Case("weight_quant", name, "fake quant", f"pallas {br}x{bk} w{nw}",
                               lambda v, cfg=cfg: pk.weight_fake_quant(v, dtype=jnp.bfloat16, backend="pallas", config=cfg),

@@ -65,8 +65,7 @@ def gemm_config(t: int, n: int, k: int, programs_per_row_tile: int = 1, num_sms:
     decoded from code words in 128-wide N tiles, K tiles of 128 (256 for large weights that
     still fill 1.5 waves), and split-K until about 1.5 waves of programs. The grouped GEMM
     (``programs_per_row_tile`` experts, T their mean rows) takes M tiles of about twice the
-    mean, so that most experts' rows fit one tile and each weight tile is read once, and
-    256-wide N tiles where those M tiles are 16 rows. From
+    mean, so that most experts' rows fit one tile and each weight tile is read once. From
     PREFILL_DEQUANT_MIN_T tokens the dense GEMM decodes both operands once and runs the BF16
     dot (square MMA tiles for the grouped kernel). Each choice is the fastest of the kernel
     registry's tile sweeps (the grouped and dense regimes; benchmarks/results)."""
@@ -82,12 +81,12 @@ def gemm_config(t: int, n: int, k: int, programs_per_row_tile: int = 1, num_sms:
     decode = "words" if bk >= 128 else "bits"  # the word decode, measured with K tiles of 128 and 256
     bn = 64 if n < 128 else 128
     warps, stages = 4, 4
-    if grouped and bm == 16 and n >= 512 and k // bk <= 4:
-        # decode-size expert items (a few rows each) with short K: 256-wide N tiles with 8
-        # warps, half the programs, each with twice the work, measured faster at the bench
-        # model's down projection (K 512); at its gate/up (K 1024) 128-wide tiles were faster,
-        # and with 64-row items 256 was no faster
-        bn, warps, stages = 256, 8, 3
+    if grouped and bm == 16 and n >= 512:
+        # decode-size expert items (a few rows each), the fastest of the registry's tiles in two
+        # runs on two H100s: 8 warps, 4 stages for the bench model's gate/up (K 1024: 37.8 us
+        # against 38.9-40.5), 2 stages for its down projection (K 512: 21.6 against 22.3-23.1;
+        # 256-wide N tiles were the fastest there before the word decode took channel pairs)
+        warps, stages = (8, 4) if k // bk > 4 else (4, 2)
     tiles = -(-t // bm) * -(-n // bn) * programs_per_row_tile
     if not grouped:
         if k % 256 == 0 and decode == "words" and tiles * (k // 512) >= 1.5 * sms:

@@ -39,7 +39,7 @@ class FakeQuantConfig:
     (``block_k`` a multiple of 16 dividing K; ``block_rows`` dividing the rows)."""
 
     block_rows: int = 8
-    block_k: int = 512
+    block_k: int = 256
     num_warps: int = 4
 
     def __post_init__(self):
@@ -57,8 +57,10 @@ class FakeQuantConfig:
 
 
 def fake_quant_config(rows: int, k: int) -> FakeQuantConfig:
-    """The default tiles for a weight of ``rows`` rows (E N) and K channels: up to 8 x 512."""
-    bk = 512
+    """The default tiles for a weight of ``rows`` rows (E N) and K channels: up to 8 x 256, the
+    fastest of the registry's tiles at the bench model's weights in two H100 runs (4-6% ahead
+    of 8 x 512; benchmarks/results/2026-12-07-h100-static-registries)."""
+    bk = 256
     while k % bk:
         bk //= 2
     br = 8

@@ -491,14 +491,14 @@ def test_decode_tiles_follow_the_measured_choices():
     assert (mid.block_m, mid.decode, mid.swap_ab, mid.path, mid.split_k) == (64, "words", True, "fused", 4)
     small = tiling.gemm_config(16, 768, 2048)
     assert (small.block_k, small.split_k) == (128, 8)  # few N tiles: deep split, 2 K tiles a program
-    # grouped: M tiles of about twice an expert's mean rows (8 -> 16, 32 -> 64); 256-wide N tiles
-    # and 8 warps for 16-row items of at most four K tiles (the bench model's down projection,
-    # 2026-12-07-h100-tail), 128-wide for longer K (its gate/up, 2026-12-07-h100-pairs-fused)
-    # and for larger items
+    # grouped: M tiles of about twice an expert's mean rows (8 -> 16, 32 -> 64), 128-wide N
+    # tiles; 16-row items: 4 warps and 2 stages at four K tiles (the bench model's down
+    # projection), 8 warps and 4 stages at more (its gate/up; 2026-12-07-h100-pairs-fused and
+    # 2026-12-07-h100-static-registries)
     g = tiling.gemm_config(8, 1024, 512, programs_per_row_tile=64)
-    assert (g.decode, g.block_n, g.block_m, g.num_warps, g.num_stages) == ("words", 256, 16, 8, 3)
+    assert (g.decode, g.block_n, g.block_m, g.num_warps, g.num_stages) == ("words", 128, 16, 4, 2)
     g = tiling.gemm_config(8, 1024, 1024, programs_per_row_tile=64)
-    assert (g.decode, g.block_n, g.block_m, g.num_warps, g.num_stages) == ("words", 128, 16, 4, 4)
+    assert (g.decode, g.block_n, g.block_m, g.num_warps, g.num_stages) == ("words", 128, 16, 8, 4)
     g = tiling.gemm_config(32, 1024, 1024, programs_per_row_tile=64)
     assert (g.block_m, g.block_n, g.num_warps) == (64, 128, 4)
     assert tiling.gemm_config(16, 768, 96).decode == "bits"  # K tile 32
