@@ -99,6 +99,33 @@ def step_seconds(eng, batch, live, bursts=6):
     return (time.perf_counter() - t0) / (bursts * eng.decode_burst)
 
 
+def prefill_seconds(eng, batch, prompt_len, calls=3):
+    """Seconds of one prefill of ``batch`` prompts of ``prompt_len`` tokens (the engine's jitted
+    prefill, every row real, no prompt log-probs), timed after a first call."""
+    import jax
+    import jax.numpy as jnp
+
+    from quads_jax.model.layers import init_kv_cache
+
+    b, n = batch, -(-prompt_len // eng.bucket) * eng.bucket
+    cache = init_kv_cache(eng.cfg, b, eng.cache_len)
+    toks = np.ones((b, n), np.int32)
+    mask = np.zeros((b, n), bool)
+    mask[:, :prompt_len] = True
+    rest = (np.full(b, prompt_len - 1, np.int32), np.ones(b, np.float32), np.ones(b, np.float32), np.zeros(b, np.int32),
+            np.arange(b, dtype=np.uint32), np.zeros(b, np.int32), np.zeros(b, bool), np.zeros(b, bool))
+    out = eng._step(eng._state, toks, mask, cache, *rest, filtered=False)
+    jax.block_until_ready(out[0])
+    cache = out[2]
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        cache["lengths"] = jnp.zeros((b,), jnp.int32)  # a fresh array: the cache is donated
+        out = eng._step(eng._state, toks, mask, cache, *rest, filtered=False)
+        cache = out[2]
+    jax.block_until_ready(out[0])
+    return (time.perf_counter() - t0) / calls
+
+
 def kernels_per_step(eng, batch, live, top=80, hlo_path=None):
     """CUPTI time of each kernel (us, summed over its launches) in one decode step: a 16-step
     burst (the engine's loop, not donated here) profiled, divided by 16. The JSON keeps the
@@ -173,7 +200,8 @@ def sweep(res, cfg, params, recipes, batches, prompts, new_tokens, copy_tbps, de
                 wb = weight_bytes_per_step(eng._state, cfg, batch)
                 kv = kv_bytes_per_step(cfg, batch, live)
                 limit = (wb + kv) / (copy_tbps * 1e12)
-                row = {"step_ms": step * 1e3, "byte_limit_ms": limit * 1e3, "x_byte_limit": step / limit,
+                row = {"step_ms": step * 1e3, "prefill_ms": prefill_seconds(eng, batch, prompt_len) * 1e3,
+                       "byte_limit_ms": limit * 1e3, "x_byte_limit": step / limit,
                        "weight_MB_per_step": wb / 1e6, "kv_MB_per_step": kv / 1e6, "compile_s": compile_s}
                 if time.time() + (n_req + batch) * new_tokens / batch * step * 1.5 < deadline:
                     eng.generate(reqs[:batch])  # one full wave untimed: every burst and prefill shape compiled
@@ -228,16 +256,16 @@ def markdown(res):
     sw = res["sections"].get("sweep") or {}
     if sw:
         lines += ["## Decode across batch sizes (bench model, 64-token prompts)", "",
-                  "| recipe | batch | output tok/s | step ms | byte limit ms | x limit | weights MB/step | KV MB/step |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "| recipe | batch | output tok/s | step ms | byte limit ms | x limit | prefill ms | weights MB/step | KV MB/step |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for k, v in sw.items():
             r, b = k.split("/")
             if "step_ms" not in v:
-                lines.append(f"| {r} | {b[1:]} | {v.get('error', v.get('skipped', ''))[:100]} | | | | | |")
+                lines.append(f"| {r} | {b[1:]} | {v.get('error', v.get('skipped', ''))[:100]} | | | | | | |")
                 continue
             tps = v.get("output_tok_per_s")
             lines.append(f"| {r} | {b[1:]} | {'-' if tps is None else f'{tps:,.0f}'} | {v['step_ms']:.3f} | {v['byte_limit_ms']:.3f} | "
-                         f"{v['x_byte_limit']:.1f} | {v['weight_MB_per_step']:.0f} | {v['kv_MB_per_step']:.0f} |")
+                         f"{v['x_byte_limit']:.1f} | {v.get('prefill_ms', float('nan')):.1f} | {v['weight_MB_per_step']:.0f} | {v['kv_MB_per_step']:.0f} |")
         lines.append("")
         rat = speed_ratios(sw)
         if rat:

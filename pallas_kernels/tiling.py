@@ -63,7 +63,8 @@ def gemm_config(t: int, n: int, k: int, programs_per_row_tile: int = 1, num_sms:
     """Heuristic tiles. Below PREFILL_DEQUANT_MIN_T tokens (decode, and the RL rollout's batches
     of 64 to 512) the kernel streams the weight: the weight is the MMA's M operand (swap_ab),
     decoded from code words in 128-wide N tiles, K tiles of 128 (256 for large weights that
-    still fill 1.5 waves), and split-K until about 1.5 waves of programs. The grouped GEMM
+    still fill 1.5 waves), and split-K until about 1.5 waves of programs (64-wide N tiles
+    where K is too short for that to fill half the chip). The grouped GEMM
     (``programs_per_row_tile`` experts, T their mean rows) takes M tiles of about twice the
     mean, so that most experts' rows fit one tile and each weight tile is read once. From
     PREFILL_DEQUANT_MIN_T tokens the dense GEMM decodes both operands once and runs the BF16
@@ -92,9 +93,18 @@ def gemm_config(t: int, n: int, k: int, programs_per_row_tile: int = 1, num_sms:
         if k % 256 == 0 and decode == "words" and tiles * (k // 512) >= 1.5 * sms:
             bk = 256
         stages = 3
-    split = 1
-    # each program keeps >= 2 K tiles
-    while tiles * split < 1.5 * sms and (k // bk) % (split * 2) == 0 and k // (bk * split * 2) >= 2:
-        split *= 2
+    def split_for(tiles):  # each program keeps >= 2 K tiles
+        split = 1
+        while tiles * split < 1.5 * sms and (k // bk) % (split * 2) == 0 and k // (bk * split * 2) >= 2:
+            split *= 2
+        return split
+    split = split_for(tiles)
+    if not grouped and bn == 128 and tiles * split < 0.75 * sms:
+        # K too short to split further and the chip under half full: 64-wide N tiles, twice
+        # the programs (the bench model's q/k/v at T64: 9.2 us against 10.6, and split 8, one
+        # K tile a program, 9.6-10.2: 2026-12-07-h100-static-registries, -pairs-fused)
+        bn = 64
+        tiles *= 2
+        split = split_for(tiles)
     return GemmConfig(block_m=bm, block_n=bn, block_k=bk, split_k=split, num_warps=warps, num_stages=stages, swap_ab=True,
                       decode=decode, path="fused")

@@ -44,7 +44,7 @@ def test_rollout_sweep_times_every_recipe(tmp_path):
     res = json.load(open(tmp_path / "rollout.json"))
     for key in ("bf16/B4", "quads/B4", "quads@decode_attention=xla/B4"):
         row = res["sections"]["sweep"][key]
-        assert row["step_ms"] > 0 and row["x_byte_limit"] > 0 and row["output_tok_per_s"] > 0, row
+        assert row["step_ms"] > 0 and row["x_byte_limit"] > 0 and row["output_tok_per_s"] > 0 and row["prefill_ms"] > 0, row
         assert "kernels_us_per_step" in row or "kernels_error" in row, row  # CUPTI needs a GPU
     assert os.path.exists(tmp_path / "rollout.png")
     import gzip

@@ -489,8 +489,13 @@ def test_decode_tiles_follow_the_measured_choices():
     # split-K to fill the chip (the bench model's q/k/v: 4 row tiles x 12 N tiles)
     mid = tiling.gemm_config(256, 1536, 1024, num_sms=132)
     assert (mid.block_m, mid.decode, mid.swap_ab, mid.path, mid.split_k) == (64, "words", True, "fused", 4)
-    small = tiling.gemm_config(16, 768, 2048)
+    small = tiling.gemm_config(16, 768, 2048, num_sms=132)
     assert (small.block_k, small.split_k) == (128, 8)  # few N tiles: deep split, 2 K tiles a program
+    # ... and where that split still leaves the chip under half full, 64-wide N tiles (the bench
+    # model's q/k/v at T64: 12 N tiles x split 4 = 48 programs at 128 wide, 96 at 64)
+    assert small.block_n == 64
+    qkv = tiling.gemm_config(64, 1536, 1024, num_sms=132)
+    assert (qkv.block_n, qkv.split_k) == (64, 4) and mid.block_n == 128
     # grouped: M tiles of about twice an expert's mean rows (8 -> 16, 32 -> 64), 128-wide N
     # tiles; 16-row items: 4 warps and 2 stages at four K tiles (the bench model's down
     # projection), 8 warps and 4 stages at more (its gate/up; 2026-12-07-h100-pairs-fused and
