@@ -127,20 +127,24 @@ def prefill_seconds(eng, batch, prompt_len, calls=3):
 
 
 def kernels_per_step(eng, batch, live, top=80, hlo_path=None):
-    """CUPTI time of each kernel (us, summed over its launches) in one decode step: a 16-step
-    burst (the engine's loop, not donated here) profiled, divided by 16. The JSON keeps the
-    ``top`` largest; the markdown shows the first 14. ``hlo_path``: the burst's optimized HLO
-    (gzip), to map XLA's fusion names to the model's operations."""
+    """(CUPTI time of each kernel (us, summed over its launches) in one decode step, where in
+    the project each XLA kernel comes from): a 16-step burst (the engine's loop, not donated
+    here) profiled, divided by 16. The JSON keeps the ``top`` largest; the markdown shows the
+    first 24. ``hlo_path``: the burst's optimized HLO (gzip), which maps XLA's fusion names to
+    the model's source lines (``harness.kernel_sources``) and counts KV-cache copies."""
     args = _burst_args(eng, batch, live)
     per = H.breakdown(functools.partial(eng._burst_impl, **STATIC), *args, iterations=5, hlo_path=hlo_path)
     out = H.top_kernels(per, top, steps=eng.decode_burst)
+    sources = {}
     if hlo_path:
         import gzip
 
         with gzip.open(hlo_path, "rt") as fh:
-            k = args[3]["layers"][0]["k"]
-            out["cache_copies_in_loop"] = cache_copies(fh.read(), f"{k.dtype}[{','.join(map(str, k.shape))}]")
-    return out
+            hlo = fh.read()
+        k = args[3]["layers"][0]["k"]
+        out["cache_copies_in_loop"] = cache_copies(hlo, f"{k.dtype}[{','.join(map(str, k.shape))}]")
+        sources = H.kernel_sources(hlo, out)
+    return out, sources
 
 
 def cache_copies(hlo_text: str, shape: str) -> int:
@@ -214,7 +218,7 @@ def sweep(res, cfg, params, recipes, batches, prompts, new_tokens, copy_tbps, de
                 if batch in profile:
                     try:
                         hlo = os.path.join(hlo_dir, f"decode_step_{recipe}_B{batch}.hlo.txt.gz") if hlo_dir else None
-                        row["kernels_us_per_step"] = kernels_per_step(eng, batch, live, hlo_path=hlo)
+                        row["kernels_us_per_step"], row["kernel_sources"] = kernels_per_step(eng, batch, live, hlo_path=hlo)
                     except Exception as e:
                         row["kernels_error"] = f"{type(e).__name__}: {e}"[:300]
                 out[key] = row
@@ -275,12 +279,15 @@ def markdown(res):
         for k, v in sw.items():
             ker = v.get("kernels_us_per_step")
             if ker:
-                lines += [f"### Kernels of one decode step: {k} (CUPTI us, summed over launches)", "", "| kernel | us |", "|---|---|"]
+                src = v.get("kernel_sources") or {}
+                lines += [f"### Kernels of one decode step: {k} (CUPTI us, summed over launches)", "",
+                          "| kernel | us | from (XLA kernels: innermost project frame < its caller) |", "|---|---|---|"]
                 named = [(n, us) for n, us in ker.items() if n not in ("other", "total", "launches", "cache_copies_in_loop")]
-                rest = sum(us for _, us in named[14:]) + ker.get("other", 0.0)
-                lines += [f"| {n[:70]} | {us:.1f} |" for n, us in named[:14] + [("other", rest), ("total", ker.get("total", 0.0))]]
-                lines += [f"| (launches a step) | {ker['launches']:.0f} |"] if "launches" in ker else []
-                lines += [f"| (KV-cache copies in the decode loop) | {ker['cache_copies_in_loop']} |"] if "cache_copies_in_loop" in ker else []
+                rest = sum(us for _, us in named[24:]) + ker.get("other", 0.0)
+                lines += [f"| {n[:70]} | {us:.1f} | {src.get(n, '')} |"
+                          for n, us in named[:24] + [("other", rest), ("total", ker.get("total", 0.0))]]
+                lines += [f"| (launches a step) | {ker['launches']:.0f} | |"] if "launches" in ker else []
+                lines += [f"| (KV-cache copies in the decode loop) | {ker['cache_copies_in_loop']} | |"] if "cache_copies_in_loop" in ker else []
                 lines.append("")
     return "\n".join(lines + H.errors_md(res)) + "\n"
 

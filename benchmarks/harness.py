@@ -93,6 +93,63 @@ def top_kernels(per_kernel: dict, top: int, scale: float = 1.0, steps: int = 1) 
     return out
 
 
+def kernel_sources(hlo_text: str, names, roots=("quads_jax/", "rollout/", "pallas_kernels/")) -> dict:
+    """Where in the project each profiled kernel comes from: ``names`` (a profile's kernel
+    names: an HLO instruction's name or ``deduplicated_name`` with "." as "_") -> "file:line
+    function" of the innermost stack frame under one of ``roots``, then " < " the innermost
+    one in a different function (which model operation called it), read from the optimized
+    HLO's stack-frame tables (``StackFrames`` lists ``parent_frame_id`` as the parent's id + 1,
+    0 for none). Names that no instruction carries (Pallas kernels, named by their kernel) are
+    left out."""
+    import re
+
+    tables: dict = {}
+    section = None
+    for line in hlo_text.splitlines():
+        if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+            section = tables.setdefault(line, {})
+        elif not line.strip():
+            section = None
+        elif section is not None:
+            i, rest = line.split(" ", 1)
+            section[int(i)] = rest
+    files = {i: v.strip('"') for i, v in tables.get("FileNames", {}).items()}
+    funcs = {i: v.strip('"') for i, v in tables.get("FunctionNames", {}).items()}
+    field = lambda text, key: int(re.search(rf"{key}=(\d+)", text).group(1))
+    locs = {i: (files.get(field(v, "file_name_id"), "?"), field(v, "line"), funcs.get(field(v, "function_name_id"), "?"))
+            for i, v in tables.get("FileLocations", {}).items()}
+    frames = {i: (field(v, "file_location_id"), field(v, "parent_frame_id") - 1) for i, v in tables.get("StackFrames", {}).items()}
+
+    def chain(frame):
+        seen = set()
+        while frame in frames and frame not in seen:
+            seen.add(frame)
+            loc, frame = frames[frame]
+            if loc in locs:
+                yield locs[loc]
+
+    def describe(frame):
+        ours = [(f, ln, fn) for f, ln, fn in chain(frame) if any(r in f for r in roots)]
+        if not ours:
+            return None
+        short = lambda f, ln, fn: f"{f.rsplit('/', 2)[-2]}/{f.rsplit('/', 1)[-1]}:{ln} {fn}"
+        out = short(*ours[0])
+        caller = next((c for c in ours[1:] if c[2] != ours[0][2]), None)
+        return out if caller is None else f"{out} < {short(*caller)}"
+
+    wanted = set(names)
+    out = {}
+    for m in re.finditer(r"^\s*(?:ROOT )?%(\S+) = [^\n]*?stack_frame_id=(\d+)", hlo_text, re.M):
+        line = hlo_text[m.start():hlo_text.find("\n", m.start())]
+        dedup = re.search(r'deduplicated_name="([^"]+)"', line)
+        for name in {m.group(1).replace(".", "_"), dedup.group(1).replace(".", "_") if dedup else None}:
+            if name in wanted and name not in out:
+                where = describe(int(m.group(2)))
+                if where:
+                    out[name] = where
+    return out
+
+
 def ceilings(measure, tiny: bool = False) -> dict:
     """Copy bandwidth (TB/s: read + write of a 2 GiB BF16 array) and the BF16 matmul rate
     (TFLOP/s at 8192^3), measured in this process. ``tiny``: small sizes for a CPU check."""

@@ -89,3 +89,30 @@ def test_speed_ratios_pair_quads_with_recipes_of_the_same_batch_and_settings():
     got = {(b, q, o): (round(st, 6), tp) for b, q, o, st, tp in speed_ratios(sw)}
     assert got == {(64, "quads", "nvfp4_naive"): (0.9, 0.9), (64, "quads", "bf16"): (1.5, None),
                    (64, "quads@command_buffers=xla", "nvfp4_naive@command_buffers=xla"): (0.75, None)}
+
+
+def _square_sum(x):
+    import jax.numpy as jnp
+
+    y = jnp.sin(x) * 2.0
+    return jnp.sum(y * y, axis=-1)  # one fusion on the CPU: its innermost frame is this line
+
+
+def test_kernel_sources_name_the_line_and_its_caller():
+    """A profiled kernel's name -> the innermost project frame of its HLO instruction and the
+    innermost one in another function (read from the optimized HLO's stack-frame tables)."""
+    import inspect
+    import re
+
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks import harness as H
+
+    hlo = jax.jit(_square_sum).lower(jnp.ones((8, 16))).compile().as_text()  # the caller's line
+    caller = inspect.currentframe().f_lineno - 1
+    fusion = re.search(r"ROOT %(\S*fusion\S*) = ", hlo).group(1).replace(".", "_")
+    line = inspect.getsourcelines(_square_sum)[1] + 4
+    src = H.kernel_sources(hlo, [fusion, "no_such_kernel"], roots=("tests/",))
+    assert src == {fusion: f"tests/test_benchmarks.py:{line} _square_sum < tests/test_benchmarks.py:{caller} "
+                           "test_kernel_sources_name_the_line_and_its_caller"}
