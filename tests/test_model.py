@@ -107,9 +107,14 @@ def test_router_topk_and_renormalisation():
     np.testing.assert_allclose(np.asarray(w), chosen / chosen.sum(1, keepdims=True), rtol=1e-6)
     _, _, w2 = M.route(logits, 3, False)
     assert float(w2.sum(-1).max()) < 1.0
-    forced = jnp.zeros((10, 3), jnp.int32).at[:, 1].set(1).at[:, 2].set(2)
-    _, ids3, _ = M.route(logits, 3, True, forced)
-    np.testing.assert_array_equal(ids3, forced)
+    forced = jnp.zeros((10, 3), jnp.int32).at[:, 1].set(1).at[:, 2].set(2).at[4].set(-1)  # row 4 not forced
+    _, ids3, w3 = M.route(logits, 3, True, forced)
+    want = np.asarray(forced).copy()
+    want[4] = np.asarray(ids)[4]
+    np.testing.assert_array_equal(ids3, want)
+    # forced rows weigh the replayed experts by their own logits' softmax; row 4 as unforced
+    np.testing.assert_array_equal(w3, jax.nn.softmax(jnp.take_along_axis(logits, jnp.asarray(want), 1), axis=-1))
+    np.testing.assert_array_equal(w3[4], w[4])
 
 
 def test_aux_loss_hand_case():

@@ -29,12 +29,13 @@ def route(logits, k: int, normalize: bool, forced=None):
     logits, the same numbers as the chosen probs over their sum, so the decode step, which
     uses no probs, runs no softmax over all E experts."""
     lf = logits.astype(jnp.float32)
-    _, ids = jax.lax.top_k(lf, k)
+    chosen, ids = jax.lax.top_k(lf, k)  # the chosen logits come with the ids: no gather unless forced
     if forced is not None:
         f = forced.astype(jnp.int32)
         ids = jnp.where(jnp.all(f >= 0, axis=-1, keepdims=True), f, ids)
+        chosen = jnp.take_along_axis(lf, ids, axis=-1)
     probs = jax.nn.softmax(lf, axis=-1)
-    w = jax.nn.softmax(jnp.take_along_axis(lf, ids, axis=-1), axis=-1) if normalize else jnp.take_along_axis(probs, ids, axis=-1)
+    w = jax.nn.softmax(chosen, axis=-1) if normalize else jnp.take_along_axis(probs, ids, axis=-1)
     return probs, ids, w
 
 
