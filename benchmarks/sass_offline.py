@@ -146,10 +146,11 @@ def cases(override=None):
         yield name, fn, cfg, values
 
 
-def quant_cases(shapes=((16, 1024), (64, 1024), (512, 512), (256, 2048), (2048, 512)), selects=("energies", "rank")):
+def quant_cases(shapes=((16, 1024), (64, 1024), (512, 512), (256, 2048), (2048, 512), (64, 4096)), selects=("energies", "rank")):
     """(name, lower(), QuantConfig) of the activation quantizer (per-token scales, the FP16
     GEMM operand in the word-part order) at the rollout's sizes (batches 16 and 64, the
-    batch-64 experts' down projection, batch 256, prefill), RAC 0 and 0.5: the heuristic's
+    batch-64 experts' down projection, batch 256, prefill, an 8B-class up projection's 256-block
+    rows at batch 64), RAC 0 and 0.5: the heuristic's
     tiles and one program per row (parts=1), with each RAC selection of ``selects``."""
     import dataclasses as dc
 

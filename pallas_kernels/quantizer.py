@@ -21,13 +21,12 @@ the chip busy: 16 tokens are 16 programs, one a row, and RAC's selection is the 
 serial work in them; ``parts`` spreads each row's selection and stores over several programs.
 Rows are walked in chunks of ``chunk`` channels (a power of two dividing K / parts), each
 loaded as its even and odd channels (stride-2 loads). RAC's top fraction is exact, ties
-included: either the kernel finds each row's threshold (the n-th largest residual energy,
-one bit of its pattern at a time: linear in the blocks) over the whole row's energies, which
-it computes (``select="rank"``, ``_top_blocks``), or, with ``select="split"``, XLA ranks them
-(``_selected_blocks``, a sort) between a first kernel that writes the energies and the
-quantizer, which reads the selection, or, with ``select="energies"``, the same first kernel
-and the quantizer finding the threshold in its energies itself (one launch fewer than split;
-``quant_config`` picks by shape). For
+included: either an all-pairs rank count of the blocks' residual energies inside the kernel,
+against the whole row's (``select="rank"``, ``_top_blocks``), or, with ``select="split"``, a
+ranking in XLA (``_selected_blocks``: the same count for rows of up to RANK_MAX_BLOCKS
+blocks, a sort beyond) between a first kernel that writes the energies and the quantizer,
+which reads the selection, or, with ``select="energies"``, the same first kernel and the
+quantizer ranking its energies itself (one launch fewer; ``quant_config`` picks by shape). For
 "energies" the first kernel writes each row's energies padded to a power-of-two width with
 -1.0 (Triton loads power-of-two tensors; a negative energy's bits are below every real one's,
 so the padding is never counted as larger), so any block count works.
@@ -61,11 +60,11 @@ class QuantConfig:
     chunk: int = 1024
     num_warps: int = 4
     num_stages: int = 1
-    # RAC's top fraction, the same selection whichever: "rank" (the kernel finds the row's
-    # threshold in the whole row's energies, which it computes), "split" (a first kernel
+    # RAC's top fraction, the same selection whichever: "rank" (an all-pairs count in the
+    # kernel, over the whole row's energies, which it computes), "split" (a first kernel
     # writes the residual energies, XLA ranks them, the kernel reads the selection: no
-    # whole-row pass in a kernel) or "energies" (the kernel finds the threshold in the first
-    # kernel's energies itself: one launch fewer than split).
+    # whole-row pass in a kernel) or "energies" (the kernel ranks the first kernel's
+    # energies itself: one launch fewer than split).
     # quant_config picks among them by shape; this default is the one valid for every K
     select: str = "split"
     # programs per token row, each owning K / parts channels (a power of two; the same bits
@@ -92,7 +91,7 @@ RAC_SELECTS = ("rank", "split", "energies")  # QuantConfig.select
 
 
 MIN_PART = 256  # channels a program owns at the least (one 16-block of RAC selection work a warp)
-RANK_MAX_BLOCKS = 256  # the longest rows (in 16-blocks) that quant_config lets the kernel select in itself
+RANK_MAX_BLOCKS = 256  # the longest rows (in 16-blocks) that quant_config lets the kernel rank itself
 
 
 def quant_config(t: int, k: int, num_sms: int | None = None) -> QuantConfig:
@@ -104,9 +103,8 @@ def quant_config(t: int, k: int, num_sms: int | None = None) -> QuantConfig:
     RAC's selection: the in-kernel rank (one launch) from 1024 tokens and wherever a program
     owns its whole row (K = 768, which does not split into 256-channel parts); otherwise
     ``select="energies"`` (one launch fewer than split, no whole-row pass in the quantizer).
-    Rows of more than RANK_MAX_BLOCKS blocks take split at any size (measured when the
-    in-kernel selection was an all-pairs count, quadratic in the blocks; the registry times
-    every selection at 896-block rows, so the next device run settles it)."""
+    Rows of more than RANK_MAX_BLOCKS blocks take split at any size: the in-kernel counts grow
+    with the square of the blocks, split's XLA ranking sorts such rows."""
     num_sms = num_sms or device_sms()
     block_rows = 1 if t < 1024 else 2
     programs = -(-t // block_rows)
@@ -151,27 +149,22 @@ def _top_blocks(own, energies, n_sel):
     >= the n_sel-th largest of the row's ``energies`` (all its chunks; ``rac.selection_mask``):
     a list of boolean masks, one per owned chunk.
 
-    Energies are non-negative, so their int32 bit patterns order as the values do (the
-    padding, -1.0, is a negative pattern: never counted). The n_sel-th largest pattern is the
-    largest t with at least n_sel patterns >= t; it is found one bit at a time, from bit 30
-    down: 31 counts of the row against a candidate, so the work grows linearly with the
-    blocks (an all-pairs rank grows with their square: at 256 blocks it took most of a
-    quantizer's time). A block is then selected iff its pattern is >= t: the same set as
-    ``>=`` the n-th largest value, ties included."""
+    Energies are non-negative, so their int32 bit patterns order as the values do. A block
+    is selected iff fewer than n_sel blocks of its row are strictly larger (the same set as
+    ``>=`` the n-th largest, ties included): one all-pairs count of the owned blocks against
+    the row's, one reduction (the work grows with the square of the blocks)."""
     bits = lambda es: [jax.lax.bitcast_convert_type(e, jnp.int32) for e in es]
     obits, ebits = bits(own), bits(energies)
-    t = jnp.zeros((ebits[0].shape[0], 1), jnp.int32)
-    for b in range(30, -1, -1):
-        cand = t | (1 << b)
-        # the counts of equal-width chunks add up elementwise, in registers, and are reduced
-        # once (one cross-thread sum a width, not one a chunk)
+    out = []
+    for ei in obits:
+        # the comparisons of equal-width chunks add up elementwise, in registers, and are
+        # reduced once (one cross-thread sum, not one per chunk)
         wide = {}
-        for e in ebits:
-            c = (e >= cand).astype(jnp.int32)
-            wide[e.shape[1]] = c if e.shape[1] not in wide else wide[e.shape[1]] + c
-        count = sum(jnp.sum(v, axis=1, keepdims=True) for v in wide.values())
-        t = jnp.where(count >= n_sel, cand, t)
-    return [o >= t for o in obits]
+        for ej in ebits:
+            cmp = (ej[:, None, :] > ei[:, :, None]).astype(jnp.int32)
+            wide[ej.shape[1]] = cmp if ej.shape[1] not in wide else wide[ej.shape[1]] + cmp
+        out.append(sum(jnp.sum(v, axis=2) for v in wide.values()) < n_sel)
+    return out
 
 
 def _quantize_pair(ve, vo, g, arith):
@@ -298,9 +291,13 @@ def _quant_kernel(x_ref, sel_ref, g_ref, a_ref, gx_ref, *, t, k, cfg, n_sel, ari
 
 def _selected_blocks(e, n_sel):
     """``select="split"``'s ranking in XLA: energies [T, B] -> RAC's selection [T, B] (the
-    blocks >= each row's n_sel-th largest, ties included, as ``_top_blocks``): the n_sel-th
-    largest bit pattern from ``lax.top_k`` (a sort), then one comparison (a block is >= the
-    n-th largest iff fewer than n blocks are strictly larger)."""
+    blocks >= each row's n_sel-th largest, ties included, as ``_top_blocks``). Rows of up to
+    RANK_MAX_BLOCKS blocks: the all-pairs count (one fusion, the faster there). Longer
+    rows, where that grows with the square of the blocks: the n_sel-th largest bit pattern
+    from ``lax.top_k`` (a sort, B log B), then one comparison; the same set (a block is
+    >= the n-th largest iff fewer than n blocks are strictly larger)."""
+    if e.shape[1] <= RANK_MAX_BLOCKS:
+        return _top_blocks([e], [e], n_sel)[0]
     bits = jax.lax.bitcast_convert_type(e, jnp.int32)
     return bits >= jax.lax.top_k(bits, n_sel)[0][:, -1:]
 

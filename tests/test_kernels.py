@@ -664,9 +664,9 @@ def test_selections_of_rows_of_any_block_count(rng):
 @pytest.mark.parametrize("select", ["split", "energies"])
 def test_selection_of_long_rows_with_ties(rng, select):
     """Rows longer than RANK_MAX_BLOCKS blocks (quant_config's split: XLA's sort) and the
-    kernel's own threshold search over them (energies: 288 blocks padded to 512): the
-    reference's bits, with a tie across the selection boundary, an all-tied row and an
-    all-zero row."""
+    kernel's own count over them (energies: 288 blocks padded to 512, which no config picks:
+    the count grows with the square of the blocks): the reference's bits, with a tie across
+    the selection boundary, an all-tied row and an all-zero row."""
     from pallas_kernels.quantizer import RANK_MAX_BLOCKS
 
     k = 16 * (RANK_MAX_BLOCKS + 32)
