@@ -83,10 +83,9 @@ def gemm_config(t: int, n: int, k: int, programs_per_row_tile: int = 1, num_sms:
     bn = 64 if n < 128 else 128
     warps, stages = 4, 4
     if grouped and bm == 16 and n >= 512:
-        # decode-size expert items (a few rows each), the fastest of the registry's tiles in two
-        # runs on two H100s: 8 warps, 4 stages for the bench model's gate/up (K 1024: 37.8 us
-        # against 38.9-40.5), 2 stages for its down projection (K 512: 21.6 against 22.3-23.1;
-        # 256-wide N tiles were the fastest there before the word decode took channel pairs)
+        # decode-size expert items (a few rows each): the registry's fastest tiles, 8 warps and
+        # 4 stages for long K (the bench model's gate/up), 4 warps and 2 stages for at most
+        # four K tiles (its down projection)
         warps, stages = (8, 4) if k // bk > 4 else (4, 2)
     tiles = -(-t // bm) * -(-n // bn) * programs_per_row_tile
     if not grouped:
@@ -98,13 +97,12 @@ def gemm_config(t: int, n: int, k: int, programs_per_row_tile: int = 1, num_sms:
         while tiles * split < 1.5 * sms and (k // bk) % (split * 2) == 0 and k // (bk * split * 2) >= 2:
             split *= 2
         return split
+
     split = split_for(tiles)
     if not grouped and bn == 128 and tiles * split < 0.75 * sms:
-        # K too short to split further and the chip under half full: 64-wide N tiles, twice
-        # the programs (the bench model's q/k/v at T64: 9.2 us against 10.6, and split 8, one
-        # K tile a program, 9.6-10.2: 2026-12-07-h100-static-registries, -pairs-fused)
+        # K too short to split further and the chip under half full: 64-wide N tiles give
+        # twice the programs (the registry's fastest at the bench model's q/k/v at T64)
         bn = 64
-        tiles *= 2
-        split = split_for(tiles)
+        split = split_for(-(-t // bm) * -(-n // bn))
     return GemmConfig(block_m=bm, block_n=bn, block_k=bk, split_k=split, num_warps=warps, num_stages=stages, swap_ab=True,
                       decode=decode, path="fused")

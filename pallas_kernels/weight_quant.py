@@ -58,8 +58,7 @@ class FakeQuantConfig:
 
 def fake_quant_config(rows: int, k: int) -> FakeQuantConfig:
     """The default tiles for a weight of ``rows`` rows (E N) and K channels: up to 8 x 256, the
-    fastest of the registry's tiles at the bench model's weights in two H100 runs (4-6% ahead
-    of 8 x 512; benchmarks/results/2026-12-07-h100-static-registries)."""
+    fastest of the kernel registry's tiles at the bench model's weights."""
     bk = 256
     while k % bk:
         bk //= 2

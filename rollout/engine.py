@@ -11,10 +11,9 @@ call, so it is updated in place). Each iteration admits waiting requests into fr
 sampling, stop tokens and length limits checked there (a row that finishes stops writing
 its cache and emitting tokens), and one transfer to the host at the end. A finished
 sequence frees its slot for the next waiting request at the end of the burst. Every burst
-runs all its steps: a constant trip count lets XLA run the loop without copying its
-predicate to the host each step (21% of a batch-64 step on an H100,
-benchmarks/results/2026-12-07-h100-static-registries), worth more than the at most
-``decode_burst - 1`` idle steps of a slot that frees mid-burst. Sampling
+runs all its steps: with a constant trip count XLA runs the loop without copying its
+predicate to the host each step, which costs more than the at most ``decode_burst - 1``
+idle steps of a slot that frees mid-burst. Sampling
 is per row with its own seed (``fold_in(key(seed), position)``), so a request's tokens
 do not depend on what it is batched with nor on the burst length. Quantized recipes use
 per-token activation scales for the same reason.

@@ -161,17 +161,12 @@ def test_decode_burst_is_a_loop_of_known_trip_count(params):
     step (a traced count cost 21% of a batch-64 step on an H100)."""
     import re
 
+    from benchmarks.bench_rollout import STATIC, _burst_args
+
     flat, _ = params
     eng = Engine(CFG, recipe="bf16", max_batch=2, max_len=40, decode_burst=5)
     eng.load(flat)
-    b = 2
-    from quads_jax.model.layers import init_kv_cache
-
-    cache = init_kv_cache(CFG, b, eng.cache_len)
-    args = (eng._state, np.ones(b, np.int32), np.ones(b, bool), cache, np.ones(b, np.float32), np.ones(b, np.float32),
-            np.zeros(b, np.int32), np.arange(b, dtype=np.uint32), np.full(b, 3, np.int32), np.full(b, 9, np.int32),
-            np.full((b, eng.max_stop_ids), -1, np.int32))
-    hlo = eng._burst.lower(*args, want_top=False, filtered=False).compile().as_text()
+    hlo = eng._burst.lower(*_burst_args(eng, 2, 3), **STATIC).compile().as_text()
     assert "5" in re.findall(r'known_trip_count":\{"n":"(\d+)"', hlo)
 
 
