@@ -133,9 +133,11 @@ def quant_cases(tiny: bool):
             for c in (256, 512):
                 if c != base.chunk and (k // base.parts) % c == 0 and rho < 1:
                     variants[f"chunk {c}"] = dataclasses.replace(base, chunk=c, num_warps=8 if c >= 512 or base.parts == 1 else 4)
-            if rho == 0.5:  # the other selections
+            if rho == 0.5:  # the other selections, and the in-kernel ones by the other count
                 variants.update({f"select {s}": dataclasses.replace(base, select=s) for s in pk.RAC_SELECTS
                                  if s != base.select and (s == "split" or rankable)})
+                if base.select != "split":
+                    variants.update({f"count {c}": dataclasses.replace(base, count=c) for c in pk.RANK_COUNTS if c != base.count})
             if rho == 0.5 or (rho == 0 and base.chunk <= 256):  # 256-channel chunks: warps mattered 4.8x (T64 K768)
                 variants.update({f"{w} warps": dataclasses.replace(base, num_warps=w) for w in (4, 8, 16) if w != base.num_warps})
             for name, c in variants.items():

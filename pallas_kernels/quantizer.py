@@ -70,6 +70,11 @@ class QuantConfig:
     # programs per token row, each owning K / parts channels (a power of two; the same bits
     # for any value: see the module docstring)
     parts: int = 1
+    # how the in-kernel selections ("rank", "energies") find a row's top blocks, the same set:
+    # "pairs" (an all-pairs count of larger energies, one reduction; quadratic in the blocks)
+    # or "bits" (the n-th largest energy's bit pattern, one bit at a time: 31 counts of the
+    # row, linear in the blocks)
+    count: str = "pairs"
 
     def __post_init__(self):
         if self.select not in RAC_SELECTS:
@@ -78,6 +83,8 @@ class QuantConfig:
             raise ValueError(f"QuantConfig.chunk={self.chunk}: expected a power of two >= 16")
         if not isinstance(self.parts, int) or self.parts < 1 or self.parts & (self.parts - 1):
             raise ValueError(f"QuantConfig.parts={self.parts!r}: expected a power of two >= 1")
+        if self.count not in RANK_COUNTS:
+            raise ValueError(f"QuantConfig.count={self.count!r}: expected one of {RANK_COUNTS}")
 
     def check(self, k: int) -> None:
         """Raise a ValueError naming the field unless this config can quantize rows of K channels."""
@@ -88,6 +95,7 @@ class QuantConfig:
 
 
 RAC_SELECTS = ("rank", "split", "energies")  # QuantConfig.select
+RANK_COUNTS = ("pairs", "bits")  # QuantConfig.count
 
 
 MIN_PART = 256  # channels a program owns at the least (one 16-block of RAC selection work a warp)
@@ -144,17 +152,28 @@ def _row_global_scale(chunks, arith):
     return nvfp4.global_scale_from_amax(m.max(1, keepdims=True), arith=arith)
 
 
-def _top_blocks(own, energies, n_sel):
+def _top_blocks(own, energies, n_sel, count="pairs"):
     """Per row, which of the blocks ``own`` (energies, [rows, blocks] per chunk) have an energy
     >= the n_sel-th largest of the row's ``energies`` (all its chunks; ``rac.selection_mask``):
     a list of boolean masks, one per owned chunk.
 
-    Energies are non-negative, so their int32 bit patterns order as the values do. A block
-    is selected iff fewer than n_sel blocks of its row are strictly larger (the same set as
-    ``>=`` the n-th largest, ties included): one all-pairs count of the owned blocks against
-    the row's, one reduction (the work grows with the square of the blocks)."""
+    Energies are non-negative, so their int32 bit patterns order as the values do (the
+    "energies" padding, -1.0, is a negative pattern, never counted as larger). ``count``:
+    "pairs": a block is selected iff fewer than n_sel blocks of its row are strictly larger
+    (the same set as ``>=`` the n-th largest, ties included): one all-pairs count of the
+    owned blocks against the row's, one reduction (the work grows with the square of the
+    blocks). "bits": the n_sel-th largest pattern is the largest p with at least n_sel
+    patterns >= p, found one bit at a time from bit 30 down (31 counts of the row, each a
+    reduction: linear in the blocks); a block is selected iff its pattern is >= p."""
     bits = lambda es: [jax.lax.bitcast_convert_type(e, jnp.int32) for e in es]
     obits, ebits = bits(own), bits(energies)
+    if count == "bits":
+        p = jnp.zeros((ebits[0].shape[0], 1), jnp.int32)
+        for b in range(30, -1, -1):
+            cand = p | (1 << b)
+            n = sum(jnp.sum((e >= cand).astype(jnp.int32), axis=1, keepdims=True) for e in ebits)
+            p = jnp.where(n >= n_sel, cand, p)
+        return [o >= p for o in obits]
     out = []
     for ei in obits:
         # the comparisons of equal-width chunks add up elementwise, in registers, and are
@@ -273,13 +292,14 @@ def _quant_kernel(x_ref, sel_ref, g_ref, a_ref, gx_ref, *, t, k, cfg, n_sel, ari
             # sides of each comparison have the same bits) ranked against the whole row's
             # (its padding, -1.0, is never larger than a real energy)
             load_e = lambda sl: plgpu.load(sel_ref.at[row_sl, sl], mask=row_ok, other=0.0)
-            selected = _top_blocks([load_e(blocks(j)) for j in range(len(owned))], [load_e(pl.ds(0, sel_ref.shape[1]))], n_sel)
+            selected = _top_blocks([load_e(blocks(j)) for j in range(len(owned))], [load_e(pl.ds(0, sel_ref.shape[1]))], n_sel,
+                                   cfg.count)
         else:
             # with parts > 1 the row's energies come from its whole, quantized once more here
             # (the owned chunks' share again: their index is the program's, not a constant)
             row_energy = own_energy if row is None else [_residual(_quantize_chunk(xe, xo, gx, bm, c, arith), gx, arith)[-1]
                                                         for xe, xo in row]
-            selected = _top_blocks(own_energy, row_energy, n_sel)
+            selected = _top_blocks(own_energy, row_energy, n_sel, cfg.count)
         gr = gx * rac.RESIDUAL_SCALE_FACTOR
         for j, (re, ro, _) in enumerate(residuals):
             m = selected[j][:, :, None]

@@ -651,7 +651,10 @@ def test_selections_of_rows_of_any_block_count(rng):
     for t, k, cfg, rho in ((5, 768, pk.QuantConfig(chunk=256, select="energies"), 0.5),
                            (9, 384, pk.QuantConfig(block_rows=2, chunk=64, parts=2, select="energies"), 0.25),
                            (5, 768, pk.quant_config(64, 768), 0.5),
-                           (5, 512, pk.quant_config(2048, 512), 0.5)):  # two rows a program, two chunks a row
+                           (5, 512, pk.quant_config(2048, 512), 0.5),  # two rows a program, two chunks a row
+                           # the bitwise threshold count, over padded energies and over the row's registers
+                           (5, 768, pk.QuantConfig(chunk=256, select="energies", count="bits"), 0.5),
+                           (9, 384, pk.QuantConfig(block_rows=2, chunk=64, parts=2, select="rank", count="bits"), 0.25)):
         x = heavy(rng, (t, k))
         blocks = x.reshape(t, k // 16, 16)
         blocks[1] = blocks[1, :1]  # all tie: every block selected
@@ -683,6 +686,8 @@ def test_quant_config_rejects_tiles_that_cannot_run():
         pk.QuantConfig(chunk=128, parts=4).check(256)
     with pytest.raises(ValueError, match="select="):
         pk.QuantConfig(select="bisect")
+    with pytest.raises(ValueError, match="count="):
+        pk.QuantConfig(count="sort")
     pk.QuantConfig(chunk=128, select="energies").check(512)
 
 
