@@ -651,16 +651,28 @@ def test_selections_of_rows_of_any_block_count(rng):
     for t, k, cfg, rho in ((5, 768, pk.QuantConfig(chunk=256, select="energies"), 0.5),
                            (9, 384, pk.QuantConfig(block_rows=2, chunk=64, parts=2, select="energies"), 0.25),
                            (5, 768, pk.quant_config(64, 768), 0.5),
-                           (5, 512, pk.quant_config(2048, 512), 0.5),  # two rows a program, two chunks a row
-                           # the bitwise threshold count, over padded energies and over the row's registers
-                           (5, 768, pk.QuantConfig(chunk=256, select="energies", count="bits"), 0.5),
-                           (9, 384, pk.QuantConfig(block_rows=2, chunk=64, parts=2, select="rank", count="bits"), 0.25)):
+                           (5, 512, pk.quant_config(2048, 512), 0.5)):  # two rows a program, two chunks a row
         x = heavy(rng, (t, k))
         blocks = x.reshape(t, k // 16, 16)
         blocks[1] = blocks[1, :1]  # all tie: every block selected
         blocks[2, 5:20] = blocks[2, 0]  # a run of ties across the selection boundary
         x = jnp.asarray(blocks.reshape(t, k)).astype(jnp.bfloat16).at[3].set(0.0)
         cfg.check(k)
+        assert_operand_equal(x, rho, cfg, order=("words", 128))
+
+
+def test_bitwise_count_selects_the_blocks_of_the_pairs_count(rng):
+    """``QuantConfig.count="bits"`` (the n-th largest energy's bit pattern, one bit at a time)
+    over the first kernel's padded energies (48 blocks padded to 64) and over the row's own
+    registers with several programs a row: the reference's bits, with ties across the
+    boundary, an all-tied row and an all-zero row."""
+    for t, k, cfg, rho in ((5, 768, pk.QuantConfig(chunk=256, select="energies", count="bits"), 0.5),
+                           (9, 384, pk.QuantConfig(block_rows=2, chunk=64, parts=2, select="rank", count="bits"), 0.25)):
+        x = heavy(rng, (t, k))
+        blocks = x.reshape(t, k // 16, 16)
+        blocks[1] = blocks[1, :1]
+        blocks[2, 5:20] = blocks[2, 0]
+        x = jnp.asarray(blocks.reshape(t, k)).astype(jnp.bfloat16).at[3].set(0.0)
         assert_operand_equal(x, rho, cfg, order=("words", 128))
 
 
