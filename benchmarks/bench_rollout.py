@@ -178,7 +178,9 @@ def recipe_of(spec: str):
     return P.rollout_recipe(name, kernels=pk.KernelConfig.from_dict(kernels))
 
 
-def sweep(res, cfg, params, recipes, batches, prompts, new_tokens, copy_tbps, deadline, prompt_len=64, profile=(), hlo_dir=None):
+def sweep(res, cfg, params, recipes, batches, prompts, new_tokens, copy_tbps, deadline, prompt_len=64, profile=(), hlo_dir=None,
+          recipes_for=None):
+    """``recipes_for`` {batch: recipes}: the recipes of those batches (default ``recipes``)."""
     from rollout.engine import Engine, Request
 
     rng = np.random.default_rng(0)
@@ -188,7 +190,7 @@ def sweep(res, cfg, params, recipes, batches, prompts, new_tokens, copy_tbps, de
         n_req = max(prompts, batch)
         reqs = [Request(prompt=rng.integers(3, cfg.vocab_size, prompt_len).tolist(), max_new_tokens=new_tokens, seed=i,
                         ignore_eos=True) for i in range(n_req)]
-        for recipe in recipes:
+        for recipe in (recipes_for or {}).get(batch, recipes):
             key = f"{recipe}/B{batch}"
             if time.time() > deadline:
                 out[key] = {"skipped": "time budget"}
@@ -326,12 +328,18 @@ def main():
     ap.add_argument("--batches", default="16,64,256,512")
     ap.add_argument("--recipes", default="bf16,fp8,nvfp4_naive,quads",
                     help="comma-separated rollout recipes, each a name or name@field=value@... (KernelConfig fields)")
+    ap.add_argument("--recipes-for", action="append", default=[], metavar="BATCH=R1,R2",
+                    help="other recipes at one batch (repeatable), e.g. 16=quads,nvfp4_naive")
     ap.add_argument("--prompts", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=512)
     ap.add_argument("--budget", type=float, default=1e9, help="seconds; later sweep entries are skipped past it")
     ap.add_argument("--profile-batches", default="256", help="batches whose decode step gets a per-kernel breakdown ('' for none)")
     ap.add_argument("--tiny", action="store_true", help="a small model and sizes: checks the harness on a CPU")
     a = ap.parse_args()
+    try:
+        recipes_for = {int(b): r.split(",") for b, r in (x.split("=", 1) for x in a.recipes_for)}
+    except ValueError:
+        ap.error(f"--recipes-for: expected BATCH=R1,R2, got {a.recipes_for}")
     t_start = time.time()
     from flax import nnx
 
@@ -347,7 +355,7 @@ def main():
     try:
         sweep(res, cfg, params, a.recipes.split(","), [int(b) for b in a.batches.split(",")], a.prompts, a.new_tokens,
               ceil.get("copy_TBps") or 1.0, t_start + a.budget, prompt_len=16 if a.tiny else 64,
-              profile=[int(b) for b in a.profile_batches.split(",") if b], hlo_dir=a.out)
+              profile=[int(b) for b in a.profile_batches.split(",") if b], hlo_dir=a.out, recipes_for=recipes_for)
     except Exception as e:
         res.data["errors"]["sweep"] = f"{type(e).__name__}: {e}"[:600]
         traceback.print_exc()

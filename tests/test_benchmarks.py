@@ -39,9 +39,11 @@ def test_kernel_registry_checks_every_case_against_its_reference(tmp_path):
 @pytest.mark.slow
 def test_rollout_sweep_times_every_recipe(tmp_path):
     # a recipe with a KernelConfig field set (the decode attention's XLA reference)
-    _run("bench_rollout.py", tmp_path, "--batches", "4", "--recipes", "bf16,quads,quads@decode_attention=xla", "--prompts", "8",
-         "--new-tokens", "16", "--profile-batches", "4")
+    # and at batch 2 only the recipe --recipes-for names there
+    _run("bench_rollout.py", tmp_path, "--batches", "4,2", "--recipes", "bf16,quads,quads@decode_attention=xla", "--prompts", "8",
+         "--new-tokens", "16", "--profile-batches", "4", "--recipes-for", "2=quads")
     res = json.load(open(tmp_path / "rollout.json"))
+    assert sorted(k for k in res["sections"]["sweep"] if k.endswith("/B2")) == ["quads/B2"]
     for key in ("bf16/B4", "quads/B4", "quads@decode_attention=xla/B4"):
         row = res["sections"]["sweep"][key]
         assert row["step_ms"] > 0 and row["x_byte_limit"] > 0 and row["output_tok_per_s"] > 0 and row["prefill_ms"] > 0, row
