@@ -138,6 +138,8 @@ def quant_cases(tiny: bool):
                                  if s != base.select and (s == "split" or rankable)})
                 if base.select != "split":
                     variants.update({f"count {c}": dataclasses.replace(base, count=c) for c in pk.RANK_COUNTS if c != base.count})
+                if rankable and base.select != "rank":  # one launch, the row's energies ranked in the registers that computed them
+                    variants["select rank, count bits"] = dataclasses.replace(base, select="rank", count="bits")
             if rho == 0.5 or (rho == 0 and base.chunk <= 256):  # 256-channel chunks: warps mattered 4.8x (T64 K768)
                 variants.update({f"{w} warps": dataclasses.replace(base, num_warps=w) for w in (4, 8, 16) if w != base.num_warps})
             for name, c in variants.items():
