@@ -233,8 +233,8 @@ def test_quantizer_jitted_on_gpu_equals_the_cpu_reference(t, k):
 @pytest.mark.parametrize("t,k", [(16, 2048), (256, 2048)])
 @pytest.mark.parametrize("tiles", [dict(parts=1), dict(num_warps=4)], ids=["one_row", "w4"])
 def test_per_token_quantizer_tiles_and_selections_are_bit_identical(t, k, tiles):
-    """Other tiles (one program a row, fewer warps) and the explicit selections give the
-    default's bits. (One warp a row compiled for 75-83 s a case on an H100 and no config
+    """Other tiles (one program a row, fewer warps), the explicit selections and both counts
+    give the default's bits. (One warp a row compiled for 75-83 s a case on an H100 and no config
     picks it.)"""
     import dataclasses
 
@@ -243,8 +243,9 @@ def test_per_token_quantizer_tiles_and_selections_are_bit_identical(t, k, tiles)
     rng = np.random.default_rng()
     x = jnp.asarray(rng.standard_normal((t, k)) * np.exp(rng.standard_normal((1, k))), jnp.bfloat16)
     base = dataclasses.replace(quant_config(t, k), **tiles)
-    for rho, select in ((0.0, "rank"), (0.5, "rank"), (0.5, "split"), (0.5, "energies")):
-        cfg = dataclasses.replace(base, select=select)
+    for rho, select, count in ((0.0, "rank", "pairs"), (0.5, "rank", "pairs"), (0.5, "split", "pairs"), (0.5, "energies", "pairs"),
+                               (0.5, "rank", "bits"), (0.5, "energies", "bits")):
+        cfg = dataclasses.replace(base, select=select, count=count)
         a = pk.quantize_operand(x, rac_ratio=rho, order=pk.default_order(k), backend="pallas", config=cfg)
         b = pk.quantize_operand(x, rac_ratio=rho, order=pk.default_order(k), backend="pallas")
         for u, v in zip(a, b):
