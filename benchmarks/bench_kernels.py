@@ -110,8 +110,8 @@ def quant_cases(tiny: bool):
     # to 64); 512 rows: its batch-64 decode step (64 tokens x top-8), where the grouped registry's
     # RAC GEMM took 1.5x the W4A4 one (2026-12-06-h100-rows)
     # (512, 512): the bench model's down projection in a batch-64 decode step (64 tokens x top-8)
-    for t, k in ((8, 256),) if tiny else ((256, 1024), (256, 2048), (64, 1024), (2048, 512), (512, 512), (256, 14336), (64, 768), (512, 768),
-                                                              (64, 4096), (256, 4096)):
+    for t, k in ((8, 256),) if tiny else ((64, 4096), (256, 4096), (256, 1024), (256, 2048), (64, 1024), (2048, 512), (512, 512),
+                                          (256, 14336), (64, 768), (512, 768)):
         # heavy-tailed channels, as activations are: per-channel magnitudes spread over e^(+-2)
         x = jnp.asarray(rng.standard_normal((t, k)) * np.exp(rng.standard_normal(k)), jnp.bfloat16)
         base = pk.quant_config(t, k)
