@@ -26,7 +26,9 @@ against the whole row's (``select="rank"``, ``_top_blocks``), or, with ``select=
 ranking in XLA (``_selected_blocks``: the same count for rows of up to RANK_MAX_BLOCKS
 blocks, a sort beyond) between a first kernel that writes the energies and the quantizer,
 which reads the selection, or, with ``select="energies"``, the same first kernel and the
-quantizer ranking its energies itself (one launch fewer; ``quant_config`` picks by shape). For
+quantizer ranking its energies itself (one launch fewer; ``quant_config`` picks by shape). The
+in-kernel rankings count either all pairs of blocks or, with ``QuantConfig.count="bits"``, the
+bits of the row's threshold one at a time (``_top_blocks``; the same set). For
 "energies" the first kernel writes each row's energies padded to a power-of-two width with
 -1.0 (Triton loads power-of-two tensors; a negative energy's bits are below every real one's,
 so the padding is never counted as larger), so any block count works.
