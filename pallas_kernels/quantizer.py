@@ -173,19 +173,21 @@ def _top_blocks(own, energies, n_sel, count="pairs"):
         p = jnp.zeros((ebits[0].shape[0], 1), jnp.int32)
         for b in range(30, -1, -1):
             cand = p | (1 << b)
-            n = sum(jnp.sum((e >= cand).astype(jnp.int32), axis=1, keepdims=True) for e in ebits)
+            n = _count_by_width([(e >= cand).astype(jnp.int32) for e in ebits], axis=1, keepdims=True)
             p = jnp.where(n >= n_sel, cand, p)
         return [o >= p for o in obits]
-    out = []
-    for ei in obits:
-        # the comparisons of equal-width chunks add up elementwise, in registers, and are
-        # reduced once (one cross-thread sum, not one per chunk)
-        wide = {}
-        for ej in ebits:
-            cmp = (ej[:, None, :] > ei[:, :, None]).astype(jnp.int32)
-            wide[ej.shape[1]] = cmp if ej.shape[1] not in wide else wide[ej.shape[1]] + cmp
-        out.append(sum(jnp.sum(v, axis=2) for v in wide.values()) < n_sel)
-    return out
+    return [_count_by_width([(ej[:, None, :] > ei[:, :, None]).astype(jnp.int32) for ej in ebits], axis=2) < n_sel
+            for ei in obits]
+
+
+def _count_by_width(terms, axis, keepdims=False):
+    """The sum over ``axis`` of int32 ``terms`` (one per chunk of a row): terms of equal shape
+    are added elementwise, in registers, and reduced once (one cross-thread sum a width, not
+    one a chunk)."""
+    wide = {}
+    for v in terms:
+        wide[v.shape] = v if v.shape not in wide else wide[v.shape] + v
+    return sum(jnp.sum(v, axis=axis, keepdims=keepdims) for v in wide.values())
 
 
 def _quantize_pair(ve, vo, g, arith):
