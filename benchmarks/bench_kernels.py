@@ -102,10 +102,10 @@ def quant_cases(tiny: bool):
     import pallas_kernels as pk
     rng = np.random.default_rng(3)
     cases = []
-    # (256, 14336): rows of 896 blocks (an 8B-class MLP's down projection), past RANK_MAX_BLOCKS:
-    # split ranks them by a sort; the in-kernel all-pairs counts (rank, energies) are not tried there.
-    # (64 / 256, 4096): its up projection's 256-block rows, where the dense registry's RAC GEMM
-    # took 4-5x the W4A4 one (2026-12-07-h100-static-registries)
+    # (256, 14336): rows of 896 blocks (an 8B-class MLP's down projection), past PAIRS_MAX_BLOCKS:
+    # the bitwise count only (the all-pairs count grows with the square of the blocks).
+    # (64 / 256, 4096): its up projection's 256-block rows, where the all-pairs count measured
+    # 15-38x slower than the bitwise one (2026-12-07-h100-bits-count-batches)
     # (64 / 512, 768): Qwen3-30B-A3B's expert down projection, 48 blocks a row (energies pads them
     # to 64); 512 rows: its batch-64 decode step (64 tokens x top-8), where the grouped registry's
     # RAC GEMM took 1.5x the W4A4 one (2026-12-06-h100-rows)
@@ -122,24 +122,20 @@ def quant_cases(tiny: bool):
             shape = f"T{t} K{k} rho{rho}"
             nbytes = t * k * 4  # read BF16, write FP16
             variants = {"default": base}
-            rankable = k // 16 <= pk.RANK_MAX_BLOCKS
+            pairs = k // 16 <= pk.PAIRS_MAX_BLOCKS
             # the one-launch form for RAC: a program owns its row in 256-channel chunks and
             # ranks its own energies. With whole-row 512- and 1024-channel chunks one program a
             # row measured 7-50x slower, and the in-kernel rank at larger chunks 2-68x slower
             # (2026-12-07-h100-command-buffers): those forms left the registry
-            if rho < 1 and rankable and (base.parts > 1 or base.chunk > 256):
+            if rho < 1 and pairs and (base.parts > 1 or base.chunk > 256):
                 variants["one program a row, chunk 256"] = dataclasses.replace(base, parts=1, chunk=256, num_warps=8, select="rank")
             # other chunks at the default layout (warps as quant_config gives them)
             for c in (256, 512):
                 if c != base.chunk and (k // base.parts) % c == 0 and rho < 1:
                     variants[f"chunk {c}"] = dataclasses.replace(base, chunk=c, num_warps=8 if c >= 512 or base.parts == 1 else 4)
-            if rho == 0.5:  # the other selections, and the in-kernel ones by the other count
-                variants.update({f"select {s}": dataclasses.replace(base, select=s) for s in pk.RAC_SELECTS
-                                 if s != base.select and (s == "split" or rankable)})
-                if base.select != "split":
-                    variants.update({f"count {c}": dataclasses.replace(base, count=c) for c in pk.RANK_COUNTS if c != base.count})
-                if rankable and base.select != "rank":  # one launch, the row's energies ranked in the registers that computed them
-                    variants["select rank, count bits"] = dataclasses.replace(base, select="rank", count="bits")
+            if rho == 0.5 and pairs:  # the other selection and count (longer rows: the bitwise count over the energies only)
+                variants.update({f"select {s}": dataclasses.replace(base, select=s) for s in pk.RAC_SELECTS if s != base.select})
+                variants.update({f"count {c}": dataclasses.replace(base, count=c) for c in pk.RANK_COUNTS if c != base.count})
             if rho == 0.5 or (rho == 0 and base.chunk <= 256):  # 256-channel chunks: warps mattered 4.8x (T64 K768)
                 variants.update({f"{w} warps": dataclasses.replace(base, num_warps=w) for w in (4, 8, 16) if w != base.num_warps})
             for name, c in variants.items():

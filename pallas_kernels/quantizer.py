@@ -14,22 +14,19 @@ Kernel layout: the grid is (token rows / ``block_rows``, ``parts``). Program (i,
 the channels [p K / parts, (p + 1) K / parts) of its tokens: it quantizes and stores only
 those. What needs the whole row (the per-token amax, RAC's residual energies for the
 selection) it computes from the whole row, loaded again by each of the row's programs (a
-few KB from L2), so the bits do not depend on ``parts``; where a first kernel computes the
-energies (``select="split"`` or "energies") it also writes the global scales, and the quantizer
-loads those instead of its whole row. At decode sizes ``parts`` is what keeps
+few KB from L2), so the bits do not depend on ``parts``; with ``select="energies"`` a first
+kernel computes the residual energies and the global scales, and the quantizer loads those
+instead of its whole row. At decode sizes ``parts`` is what keeps
 the chip busy: 16 tokens are 16 programs, one a row, and RAC's selection is the longest
 serial work in them; ``parts`` spreads each row's selection and stores over several programs.
 Rows are walked in chunks of ``chunk`` channels (a power of two dividing K / parts), each
 loaded as its even and odd channels (stride-2 loads). RAC's top fraction is exact, ties
-included: either an all-pairs rank count of the blocks' residual energies inside the kernel,
-against the whole row's (``select="rank"``, ``_top_blocks``), or, with ``select="split"``, a
-ranking in XLA (``_selected_blocks``: the same count for rows of up to RANK_MAX_BLOCKS
-blocks, a sort beyond) between a first kernel that writes the energies and the quantizer,
-which reads the selection, or, with ``select="energies"``, the same first kernel and the
-quantizer ranking its energies itself (one launch fewer; ``quant_config`` picks by shape). The
-in-kernel rankings count either all pairs of blocks or, with ``QuantConfig.count="bits"``, the
-bits of the row's threshold one at a time (``_top_blocks``; the same set). For
-"energies" the first kernel writes each row's energies padded to a power-of-two width with
+included, ranked inside the quantizer (``_top_blocks``): with ``select="rank"`` over the
+energies it computes from the whole row itself (one launch), with "energies" over the first
+kernel's (no whole-row pass in the quantizer). ``QuantConfig.count`` picks how a row's top
+blocks are found, the same set: an all-pairs count (one reduction, quadratic in the blocks)
+or the threshold's bits one at a time (31 reductions, linear); ``quant_config`` picks both
+by shape. The first kernel writes each row's energies padded to a power-of-two width with
 -1.0 (Triton loads power-of-two tensors; a negative energy's bits are below every real one's,
 so the padding is never counted as larger), so any block count works.
 """
@@ -62,20 +59,17 @@ class QuantConfig:
     chunk: int = 1024
     num_warps: int = 4
     num_stages: int = 1
-    # RAC's top fraction, the same selection whichever: "rank" (an all-pairs count in the
-    # kernel, over the whole row's energies, which it computes), "split" (a first kernel
-    # writes the residual energies, XLA ranks them, the kernel reads the selection: no
-    # whole-row pass in a kernel) or "energies" (the kernel ranks the first kernel's
-    # energies itself: one launch fewer than split).
-    # quant_config picks among them by shape; this default is the one valid for every K
-    select: str = "split"
+    # where RAC's top fraction is ranked from, the same selection either way: "rank" (the
+    # quantizer computes the whole row's residual energies itself: one launch) or "energies"
+    # (a first kernel writes them with the global scales: no whole-row pass in the quantizer).
+    # quant_config picks by shape
+    select: str = "energies"
     # programs per token row, each owning K / parts channels (a power of two; the same bits
     # for any value: see the module docstring)
     parts: int = 1
-    # how the in-kernel selections ("rank", "energies") find a row's top blocks, the same set:
-    # "pairs" (an all-pairs count of larger energies, one reduction; quadratic in the blocks)
-    # or "bits" (the n-th largest energy's bit pattern, one bit at a time: 31 counts of the
-    # row, linear in the blocks)
+    # how a row's top blocks are found, the same set: "pairs" (an all-pairs count of larger
+    # energies, one reduction; quadratic in the blocks) or "bits" (the n-th largest energy's
+    # bit pattern, one bit at a time: 31 counts of the row, linear in the blocks)
     count: str = "pairs"
 
     def __post_init__(self):
@@ -96,12 +90,12 @@ class QuantConfig:
             raise ValueError(f"config: QuantConfig.chunk={self.chunk} must divide K={k} / parts={self.parts}")
 
 
-RAC_SELECTS = ("rank", "split", "energies")  # QuantConfig.select
+RAC_SELECTS = ("rank", "energies")  # QuantConfig.select
 RANK_COUNTS = ("pairs", "bits")  # QuantConfig.count
 
 
 MIN_PART = 256  # channels a program owns at the least (one 16-block of RAC selection work a warp)
-RANK_MAX_BLOCKS = 256  # the longest rows (in 16-blocks) that quant_config lets the kernel rank itself
+PAIRS_MAX_BLOCKS = 128  # the longest rows (in 16-blocks) that quant_config ranks by the all-pairs count
 
 
 def quant_config(t: int, k: int, num_sms: int | None = None) -> QuantConfig:
@@ -110,11 +104,13 @@ def quant_config(t: int, k: int, num_sms: int | None = None) -> QuantConfig:
     Rows of K >= 512 channels take at least two programs each (``parts``), and decode sizes
     (few tokens) split further until about one wave runs (T=16: 8 parts, T=64: 2); 1024 tokens
     and more take two rows a program, and whole rows in 256-channel chunks where K <= 512.
-    RAC's selection: the in-kernel rank (one launch) from 1024 tokens and wherever a program
-    owns its whole row (K = 768, which does not split into 256-channel parts); otherwise
-    ``select="energies"`` (one launch fewer than split, no whole-row pass in the quantizer).
-    Rows of more than RANK_MAX_BLOCKS blocks take split at any size: the in-kernel counts grow
-    with the square of the blocks, split's XLA ranking sorts such rows."""
+    RAC's selection: rows of up to PAIRS_MAX_BLOCKS blocks are ranked by the all-pairs count,
+    in the quantizer's own pass (``select="rank"``: one launch) from 1024 tokens and wherever a
+    program owns its whole row (K = 768, which does not split into 256-channel parts), else
+    over the first kernel's energies. Longer rows take the first kernel's energies and the
+    bitwise count at any size: at 256 blocks (K = 4096) the all-pairs count measured 15-38x
+    slower on an H100, and the bitwise count in the one-launch rank 4-10x slower than over
+    the first kernel's energies (benchmarks/results/2026-12-07-h100-bits-count-batches)."""
     num_sms = num_sms or device_sms()
     block_rows = 1 if t < 1024 else 2
     programs = -(-t // block_rows)
@@ -132,9 +128,11 @@ def quant_config(t: int, k: int, num_sms: int | None = None) -> QuantConfig:
     # where 4 warps measured several times slower with RAC; 16 warps on the half rows of
     # K = 512 slowed the rollout's down projection
     blocks = k // 16
-    select = "split" if blocks > RANK_MAX_BLOCKS else "rank" if t >= 1024 or parts == 1 else "energies"
+    pairs = blocks <= PAIRS_MAX_BLOCKS
+    select = "rank" if pairs and (t >= 1024 or parts == 1) else "energies"
     warps = 8 if chunk >= 512 or (chunk == 256 and parts == 1) else 4
-    return QuantConfig(block_rows=block_rows, chunk=chunk, num_warps=warps, parts=parts, select=select)
+    return QuantConfig(block_rows=block_rows, chunk=chunk, num_warps=warps, parts=parts, select=select,
+                       count="pairs" if pairs else "bits")
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -254,7 +252,7 @@ def _program_rows(x_ref, *, t, k, cfg, arith, interpret, g_ref=None):
 
 
 def _energy_kernel(x_ref, e_ref, g_ref, *, t, k, cfg, arith, interpret):
-    """The first pass of ``select="split"`` and "energies": the residual energies of the owned
+    """The first pass of ``select="energies"``: the residual energies of the owned
     blocks, e_ref [T, W] with W = K/16 rounded up to a power of two, the columns from K/16 on
     written -1.0 by each row's first program; and the global scales g_ref [T, 1], which the
     quantizer reads instead of loading its whole row again."""
@@ -270,11 +268,10 @@ def _energy_kernel(x_ref, e_ref, g_ref, *, t, k, cfg, arith, interpret):
                     mask=row_ok & pad & (pl.program_id(1) == 0))
 
 
-def _quant_kernel(x_ref, sel_ref, g_ref, a_ref, gx_ref, *, t, k, cfg, n_sel, arith, interpret, order):
+def _quant_kernel(x_ref, e_ref, g_ref, a_ref, gx_ref, *, t, k, cfg, n_sel, arith, interpret, order):
     """One program: ``block_rows`` token rows x the channels of part ``program_id(1)``.
-    Inputs: x [T, K] and ``sel_ref`` [T, K/16]: for ``select="split"`` the selected blocks
-    (int8), for "energies" the residual energies (float32), else None; ``g_ref`` the energy
-    pass's global scales [T, 1] with either, else None. Outputs: the FP16 operand ``a_ref``
+    Inputs: x [T, K] and, from the first kernel (``select="energies"``), ``e_ref`` [T, W] the
+    residual energies padded to W and ``g_ref`` [T, 1] the global scales (else None). Outputs: the FP16 operand ``a_ref``
     [rows, K] in the column ``order`` (rows from T on written as zeros) and the per-token
     global scales ``gx_ref`` [T, 1]."""
     bm, c = cfg.block_rows, cfg.chunk
@@ -289,14 +286,12 @@ def _quant_kernel(x_ref, sel_ref, g_ref, a_ref, gx_ref, *, t, k, cfg, n_sel, ari
         own_energy = [e for _, _, e in residuals]
         if n_sel == k // 16:  # rho 1: every block (a NaN energy is unselected, as in the reference's comparison)
             selected = [e == e for e in own_energy]
-        elif cfg.select == "split":
-            selected = [plgpu.load(sel_ref.at[row_sl, blocks(j)], mask=row_ok, other=0) != 0 for j in range(len(owned))]
         elif cfg.select == "energies":
             # the first kernel's energies: the owned blocks' (loaded, not recomputed, so both
             # sides of each comparison have the same bits) ranked against the whole row's
             # (its padding, -1.0, is never larger than a real energy)
-            load_e = lambda sl: plgpu.load(sel_ref.at[row_sl, sl], mask=row_ok, other=0.0)
-            selected = _top_blocks([load_e(blocks(j)) for j in range(len(owned))], [load_e(pl.ds(0, sel_ref.shape[1]))], n_sel,
+            load_e = lambda sl: plgpu.load(e_ref.at[row_sl, sl], mask=row_ok, other=0.0)
+            selected = _top_blocks([load_e(blocks(j)) for j in range(len(owned))], [load_e(pl.ds(0, e_ref.shape[1]))], n_sel,
                                    cfg.count)
         else:
             # with parts > 1 the row's energies come from its whole, quantized once more here
@@ -313,39 +308,24 @@ def _quant_kernel(x_ref, sel_ref, g_ref, a_ref, gx_ref, *, t, k, cfg, n_sel, ari
         _store_operand(a_ref, rows_idx, rows_idx < a_ref.shape[0], at(j), q, r, bm, c, order)
 
 
-def _selected_blocks(e, n_sel):
-    """``select="split"``'s ranking in XLA: energies [T, B] -> RAC's selection [T, B] (the
-    blocks >= each row's n_sel-th largest, ties included, as ``_top_blocks``). Rows of up to
-    RANK_MAX_BLOCKS blocks: the all-pairs count (one fusion, the faster there). Longer
-    rows, where that grows with the square of the blocks: the n_sel-th largest bit pattern
-    from ``lax.top_k`` (a sort, B log B), then one comparison; the same set (a block is
-    >= the n-th largest iff fewer than n blocks are strictly larger)."""
-    if e.shape[1] <= RANK_MAX_BLOCKS:
-        return _top_blocks([e], [e], n_sel)[0]
-    bits = jax.lax.bitcast_convert_type(e, jnp.int32)
-    return bits >= jax.lax.top_k(bits, n_sel)[0][:, -1:]
-
-
 @functools.partial(jax.jit, static_argnames=("n_sel", "cfg", "interpret", "order", "rows"))
 def _quant_call(x, *, n_sel, cfg, interpret, order, rows):
     """(the FP16 operand [rows, K] in ``order``, the global scales [T, 1]); x's rows from T to
-    ``rows`` are zero (interpret mode pads x, which it loads clamped). With ``select="split"``
-    and 0 < n_sel < K/16: a first kernel writes the blocks' residual energies, XLA ranks them
-    (``_selected_blocks``: the same selection), and the kernel reads the selected blocks
-    instead of finding them itself; with "energies" the kernel ranks those energies itself."""
+    ``rows`` are zero (interpret mode pads x, which it loads clamped). With ``select="energies"``
+    and 0 < n_sel < K/16 a first kernel writes the blocks' residual energies and the global
+    scales, which the quantizer ranks and reads."""
     t, k = x.shape
     arith = kernel_arith(interpret)
     params = plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    sel = g = None
-    if cfg.select in ("split", "energies") and 0 < n_sel < k // 16:
-        width = k // 16 if cfg.select == "split" else pl.next_power_of_2(k // 16)
+    e = g = None
+    if cfg.select == "energies" and 0 < n_sel < k // 16:
+        width = pl.next_power_of_2(k // 16)
         e, g = pl.pallas_call(
             functools.partial(_energy_kernel, t=t, k=k, cfg=cfg, arith=arith, interpret=interpret),
             out_shape=(jax.ShapeDtypeStruct((x.shape[0], width), jnp.float32), jax.ShapeDtypeStruct((x.shape[0], 1), jnp.float32)),
             grid=(pl.cdiv(x.shape[0], cfg.block_rows), cfg.parts), compiler_params=params, interpret=interpret,
             name="nvfp4_residual_energies",
         )(x)
-        sel = _selected_blocks(e, n_sel).astype(jnp.int8) if cfg.select == "split" else e
     return pl.pallas_call(
         functools.partial(_quant_kernel, t=t, k=k, cfg=cfg, n_sel=n_sel, arith=arith, interpret=interpret, order=order),
         out_shape=(jax.ShapeDtypeStruct((rows, k), jnp.float16), jax.ShapeDtypeStruct((t, 1), jnp.float32)),
@@ -353,7 +333,7 @@ def _quant_call(x, *, n_sel, cfg, interpret, order, rows):
         compiler_params=params,
         interpret=interpret,
         name="nvfp4_quantize_activations",
-    )(x, sel, g)
+    )(x, e, g)
 
 
 # ----------------------------------------------------------------------------- public API

@@ -613,7 +613,7 @@ def test_quant_config_is_checked(rng):
 
 
 @pytest.mark.parametrize("parts,chunk,select,rhos", [
-    (2, 128, "rank", (0.0, 0.25)), (4, 64, "energies", (0.25,)), (4, 64, "split", (0.25,)),
+    (2, 128, "rank", (0.0, 0.25)), (4, 64, "energies", (0.25,)),
     pytest.param(2, 64, "rank", (0.25,), marks=pytest.mark.slow), pytest.param(8, 64, "rank", (0.0, 0.25), marks=pytest.mark.slow)])
 def test_quantizer_row_split_is_bit_identical(rng, parts, chunk, select, rhos):
     """``QuantConfig.parts`` programs a row (each storing its share of the channels, the
@@ -628,15 +628,15 @@ def test_quantizer_row_split_is_bit_identical(rng, parts, chunk, select, rhos):
         assert_operand_equal(x, rho, pk.QuantConfig(chunk=chunk, parts=parts, select=select), order=("words", 128))
 
 
-def test_split_selection_with_two_rows_a_program_and_padded_rows(rng):
-    """``select="split"`` (energies from a first kernel, ranked by XLA) and "energies" (ranked by
-    the quantizer) with two token rows a program, an odd T and operand rows padded past T: the
-    reference's bits, rho 0 / 0.5 / 1."""
+def test_energies_selection_with_two_rows_a_program_and_padded_rows(rng):
+    """``select="energies"`` (a first kernel's energies, ranked by the quantizer) by either count,
+    with two token rows a program, an odd T and operand rows padded past T: the reference's
+    bits, rho 0 / 0.5 / 1."""
     x = jnp.asarray(heavy(rng, (11, 256))).astype(jnp.bfloat16)
     # rho 1 and 0 rank nothing: once each
-    for cfg, rhos in ((pk.QuantConfig(block_rows=2, chunk=64, parts=2, select="split"), (0.5, 1.0)),
-                      (pk.QuantConfig(block_rows=2, chunk=128, select="split"), (0.0,)),
-                      (pk.QuantConfig(block_rows=2, chunk=64, parts=2, select="energies"), (0.5,))):
+    for cfg, rhos in ((pk.QuantConfig(block_rows=2, chunk=64, parts=2, select="energies"), (0.5, 1.0)),
+                      (pk.QuantConfig(block_rows=2, chunk=128, select="energies"), (0.0,)),
+                      (pk.QuantConfig(block_rows=2, chunk=64, parts=2, select="energies", count="bits"), (0.5,))):
         for rho in rhos:
             assert_operand_equal(x, rho, cfg, order=("words", 128), rows=16)
 
@@ -676,21 +676,19 @@ def test_bitwise_count_selects_the_blocks_of_the_pairs_count(rng):
         assert_operand_equal(x, rho, cfg, order=("words", 128))
 
 
-@pytest.mark.parametrize("select", ["split", "energies"])
-def test_selection_of_long_rows_with_ties(rng, select):
-    """Rows longer than RANK_MAX_BLOCKS blocks (quant_config's split: XLA's sort) and the
-    kernel's own count over them (energies: 288 blocks padded to 512, which no config picks:
-    the count grows with the square of the blocks): the reference's bits, with a tie across
-    the selection boundary, an all-tied row and an all-zero row."""
-    from pallas_kernels.quantizer import RANK_MAX_BLOCKS
-
-    k = 16 * (RANK_MAX_BLOCKS + 32)
+@pytest.mark.parametrize("count", ["bits", "pairs"])
+def test_selection_of_long_rows_with_ties(rng, count):
+    """Rows of 288 blocks (padded to 512), past PAIRS_MAX_BLOCKS: the first kernel's energies
+    ranked by the bitwise count (quant_config's choice there) and by the all-pairs count
+    (which no config picks there: it grows with the square of the blocks): the reference's
+    bits, with a tie across the selection boundary, an all-tied row and an all-zero row."""
+    k = 16 * 288
     x = heavy(rng, (5, k))
     blocks = x.reshape(5, k // 16, 16)
     blocks[1] = blocks[1, :1]  # every block equal: all tie, all selected
     blocks[2, 100:200] = blocks[2, 0]  # a run of ties spanning the boundary
     x = jnp.asarray(blocks.reshape(5, k)).astype(jnp.bfloat16).at[3].set(0.0)
-    assert_operand_equal(x, 0.5, pk.QuantConfig(chunk=256, parts=2, select=select), order=("words", 128))
+    assert_operand_equal(x, 0.5, pk.QuantConfig(chunk=256, parts=2, select="energies", count=count), order=("words", 128))
 
 
 def test_quant_config_rejects_tiles_that_cannot_run():
@@ -709,11 +707,14 @@ def test_quant_config_splits_rows_at_decode_sizes():
     assert [quant_config(t, 4096).parts for t in (1, 16, 64, 128, 4096)] == [16, 8, 2, 2, 2]
     assert quant_config(256, 512).parts == 2 and quant_config(256, 768).parts == 1  # two a row where K allows it
     assert quant_config(2048, 512).parts == 1 and quant_config(2048, 1024).parts == 2  # two-token programs: whole rows to 512
-    # RAC's selection: ranked in the kernel from 1024 tokens and where a program owns its whole
-    # row (768 channels: 48 blocks), else the first kernel's energies ranked in the quantizer,
-    # by XLA (split) past RANK_MAX_BLOCKS
-    assert [quant_config(t, k).select for t, k in ((16, 4096), (256, 1024), (2048, 512), (2048, 8192), (16, 768), (64, 8192),
-                                                   (512, 512))] == ["energies", "energies", "rank", "split", "rank", "split", "energies"]
+    # RAC's selection: rows of up to PAIRS_MAX_BLOCKS blocks ranked by the all-pairs count, in
+    # the quantizer's own pass from 1024 tokens and where a program owns its whole row (768
+    # channels: 48 blocks), else over the first kernel's energies; longer rows by the bitwise
+    # count over the first kernel's energies, at any size
+    shapes = ((16, 4096), (256, 1024), (2048, 512), (2048, 4096), (16, 768), (64, 8192), (512, 512), (256, 2048))
+    assert [(quant_config(t, k).select, quant_config(t, k).count) for t, k in shapes] == [
+        ("energies", "bits"), ("energies", "pairs"), ("rank", "pairs"), ("energies", "bits"), ("rank", "pairs"),
+        ("energies", "bits"), ("energies", "pairs"), ("energies", "pairs")]
     assert quant_config(16, 2048).parts == 8 and quant_config(16, 1024).parts == 4  # each part owns >= 256 channels
     for t, k in ((1, 4096), (16, 4096), (64, 1024), (16, 768), (4096, 4096)):
         cfg = quant_config(t, k)
@@ -729,10 +730,8 @@ def test_quant_config_splits_rows_at_decode_sizes():
     assert quant_config(2048, 1024).chunk == 512  # two parts of a row: chunks as before
 
 
-# split ranks in XLA only past RANK_MAX_BLOCKS by default (test_selection_of_long_rows_with_ties)
 # "energies" with ties: test_selections_of_rows_of_any_block_count (also across programs)
-@pytest.mark.parametrize("select", ["rank", pytest.param("split", marks=pytest.mark.slow),
-                                    pytest.param("energies", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("select", ["rank", pytest.param("energies", marks=pytest.mark.slow)])
 def test_rac_selections_equal_xla_with_ties(rng, select):
     x = heavy(rng, (9, 512))
     blocks = x.reshape(9, 32, 16)
