@@ -8,6 +8,9 @@
 #   rollout_scale  benchmarks/bench_rollout.py: decode steps through the engine vs their byte limit (ROLLOUT_SCALE_ARGS;
 #                  recipes may set KernelConfig fields, e.g. quads@command_buffers=kernels, to compare in one process)
 #   train          benchmarks/bench_train.py: the train step per config (TRAIN_ARGS)
+#   ncu            Nsight Compute's sections (speed of light, occupancy, warp states, scheduler, memory) for
+#                  the first NCU_COUNT launches of the kernels named by NCU_KERNEL (a regex), run inside the
+#                  kernel registry (NCU_REGIMES, NCU_MATCH): what bounds a kernel, where no timing says it
 # The device returns only a few files: each stage's log and outputs are appended to one tar,
 # $OUT/results.tar (extract with tar -xf), and removed.
 # Usage (device, from the repo root, with .whl carried: scripts/gpu_wheels.sh fills it here):
@@ -39,7 +42,11 @@ run_stage() {
     rollout_scale) stage "${ROLLOUT_SCALE_CAP:-330}" rollout_scale python3 benchmarks/bench_rollout.py --out "$o/rollout_scale" \
                      --budget $(( ${ROLLOUT_SCALE_CAP:-330} - 30 )) ${ROLLOUT_SCALE_ARGS:-} ;;
     train) stage "${TRAIN_CAP:-330}" train python3 benchmarks/bench_train.py --out "$o/train" --budget $(( ${TRAIN_CAP:-330} - 90 )) ${TRAIN_ARGS:-} ;;
-    *) echo "unknown stage $1 (expected gpu_tests, kernels, rollout_scale or train)"; return 1 ;;
+    ncu) stage "${NCU_CAP:-180}" ncu ncu --clock-control none --target-processes all -k "regex:${NCU_KERNEL:-nvfp4_grouped_matmul}" \
+           -c "${NCU_COUNT:-2}" --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+           --section SchedulerStats --section MemoryWorkloadAnalysis python3 benchmarks/bench_kernels.py --out "$o/ncu" \
+           --regimes "${NCU_REGIMES:-grouped}" --match "${NCU_MATCH:-}" --budget $(( ${NCU_CAP:-180} - 30 )) --compile-workers 1 ;;
+    *) echo "unknown stage $1 (expected gpu_tests, kernels, rollout_scale, train or ncu)"; return 1 ;;
   esac
 }
 for s in $STAGES; do run_stage "$s"; done
