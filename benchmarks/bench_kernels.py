@@ -73,8 +73,15 @@ def _bits_equal(a, b) -> bool:
 
 
 def _nbytes(*trees) -> float:
+    """Bytes the arrays occupy on the device: sub-byte types (int4, E2M1) packed two a byte,
+    as XLA stores them (their ``nbytes`` counts one byte an element)."""
     import jax
-    return float(sum(leaf.nbytes for t in trees for leaf in jax.tree.leaves(t)))
+    import ml_dtypes
+
+    def size(leaf):
+        narrow = leaf.dtype in (ml_dtypes.int4, ml_dtypes.uint4, ml_dtypes.float4_e2m1fn)
+        return leaf.size / 2 if narrow else leaf.nbytes
+    return float(sum(size(leaf) for t in trees for leaf in jax.tree.leaves(t)))
 
 
 def fwd_bwd(fn, n_diff: int):
