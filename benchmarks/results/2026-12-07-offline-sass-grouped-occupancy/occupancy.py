@@ -3,7 +3,6 @@ rollout's MoE (64 tokens x top-8 over 64 experts, rows gathered, RAC 0.5) for th
 registry's tile variants, compiled offline for sm_90, and the programs (and warps) an H100 SM
 can hold with them: 64K registers and 228 KB of shared memory an SM.
 Usage: PYTHONPATH=. JAX_PLATFORMS=cpu python occupancy.py TRITON_PYTHON"""
-import dataclasses
 import subprocess
 import sys
 import tempfile
