@@ -4,7 +4,7 @@ The NVFP4 GEMMs are bound by instruction issue (Nsight Compute, H200 run 11), so
 of instructions in the compiled main loop per weight value is the figure to lower. This tool
 gets it on a CPU-only machine:
 
-1. lower each kernel with the project's JAX, with the GPU's compute capability given as 9.0
+1. lower each kernel with the project's JAX, with the GPU's compute capability given as 90
    (Pallas' Triton lowering only asks for it), and keep the Triton IR (TTIR) it builds;
 2. compile the TTIR for sm_90 with a Triton installation (pip ``triton==3.6.0``, the GPU
    image's version, in any Python: ``--triton-python``), which bundles ptxas and nvdisasm;
@@ -74,7 +74,7 @@ def capture_ttir():
     """Patch the Pallas Triton lowering: a fixed compute capability, and keep each TTIR."""
     from jax._src.pallas.triton import pallas_call_registration as R
 
-    R.gpu_info_lib.get_gpu_info = lambda: types.SimpleNamespace(compute_capability="9.0")
+    R.gpu_info_lib.get_gpu_info = lambda: types.SimpleNamespace(compute_capability=90)
     captured = []
     orig = R.lowering.lower_jaxpr_to_triton_module
 

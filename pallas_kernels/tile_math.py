@@ -129,7 +129,7 @@ def decode_tile(codes, scale_bits, rows, bk, dtype=jnp.bfloat16):
 def _e2m1_f16_times_256(c):
     """4-bit codes (int32) -> FP16 E2M1 values times 2**8, from bits: the magnitude's pattern
     is ``(m + 44) << 9`` for the normal codes m = 2..7 and ``m * 0x5800`` (0 or 128) for
-    m = 0, 1; the sign moves to bit 15 (``HI_BYTES_F16`` as whole FP16 patterns)."""
+    m = 0, 1; the sign moves to bit 15."""
     m = c & 7
     bits = jnp.where(m < 2, m * 0x5800, (m + 44) << 9) | ((c & 8) << 12)
     return jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.float16)
@@ -159,16 +159,6 @@ def pad_axis(x, axis: int, size: int):
 
 HI_BYTES = (0x00, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40)  # BF16 bits 15..8 of 0, .5, 1, 1.5, 2, 3, 4, 6
 LO_BYTES = (0x00, 0x00, 0x80, 0xC0, 0x00, 0x40, 0x80, 0xC0)  # BF16 bits 7..0
-# FP16 operands (RAC's summed activation, ``rac.compensated_values``, is FP16): an E2M1
-# magnitude's FP16 pattern has one mantissa bit, in the high byte; its low byte is zero, so
-# the second lookup is a zero register. The table holds the magnitudes times 2**8 and the
-# scale enters as s * 2**-8, whose FP16 bits are the E4M3 bits shifted left by 7
-# (``scale_halves``): the product is the same, exact (6 significant bits, magnitudes
-# 2**-10 .. 2688; s * 2**-8 >= 2**-17 has at most 4 significant bits, exact as an FP16
-# subnormal).
-HI_BYTES_F16 = (0x00, 0x58, 0x5C, 0x5E, 0x60, 0x62, 0x64, 0x66)  # 0, .5, 1, 1.5, 2, 3, 4, 6 times 2**8
-# per operand type: (high-byte table, low-byte table or None for zeros, the PTX product type)
-OPERAND_TABLES = {"bf16": (HI_BYTES, LO_BYTES, "bf16x2"), "f16": (HI_BYTES_F16, None, "f16x2")}
 
 
 def operand_key(dtype) -> str:
@@ -181,10 +171,11 @@ def operand_key(dtype) -> str:
 
 
 def scale_halves(scale_bits, key: str):
-    """E4M3 scale bits (any int type) -> the uint32 16-bit pattern that multiplies the decode
-    table's values in ``mul.rn`` for operand type ``key``: the scale's BF16 bits, or for FP16
-    the bits of s * 2**-8, ``(b & 0x7F) << 7`` (integer operations, no float conversion; the
-    FP16 table is scaled by 2**8), with E4M3's NaN kept as an FP16 NaN. NVFP4 block scales
+    """E4M3 scale bits (any int type) -> the uint32 16-bit pattern that multiplies the decoded
+    values for operand type ``key``: the scale's BF16 bits, or for FP16 (``decode_tile``,
+    whose FP16 values are times 2**8) the bits of s * 2**-8, ``(b & 0x7F) << 7`` (integer
+    operations, no float conversion; exact: s * 2**-8 >= 2**-17 has at most 4 significant
+    bits, exact as an FP16 subnormal), with E4M3's NaN kept as an FP16 NaN. NVFP4 block scales
     are non-negative: the sign bit is not read (the word decode ORs each code's sign onto
     the product; offline SASS, keeping it cost 4% more main-loop instructions)."""
     if key == "bf16":
@@ -197,16 +188,9 @@ def _word(table, start):
     return sum(b << (8 * i) for i, b in enumerate(table[start:start + 4])) if table else 0
 
 
-def _tables_ptx(key):
-    hi, lo, _ = OPERAND_TABLES[key]
-    return (f"    mov.b32 qha, {_word(hi, 0):#x};\n    mov.b32 qhb, {_word(hi, 4):#x};\n"
-            f"    mov.b32 qla, {_word(lo, 0):#x};\n    mov.b32 qlb, {_word(lo, 4):#x};\n")
-
-
-def _lookup_ptx(key):
-    """PTX: the high and low bytes of the magnitudes selected by ``qsel`` into qhi, qlo."""
-    lo = "prmt.b32 qlo, qla, qlb, qsel;" if OPERAND_TABLES[key][1] else "mov.b32 qlo, 0;"
-    return f"    prmt.b32 qhi, qha, qhb, qsel;\n    {lo}\n"
+def _tables_ptx():
+    return (f"    mov.b32 qha, {_word(HI_BYTES, 0):#x};\n    mov.b32 qhb, {_word(HI_BYTES, 4):#x};\n"
+            f"    mov.b32 qla, {_word(LO_BYTES, 0):#x};\n    mov.b32 qlb, {_word(LO_BYTES, 4):#x};\n")
 
 
 # the selector ``t | t >> 12`` of t = codes & 0x07070707 holds the magnitudes of bytes 0, 2, 1, 3
@@ -236,29 +220,66 @@ WORD_PAIRS = ((0, 2), (4, 6), (1, 3), (5, 7))  # programs (shift 0, bytes 0-1), 
 WORD_CHANNELS = tuple(c for pair in WORD_PAIRS for c in pair)  # the programs' outputs, low half first
 
 
-def _word_pair_ptx(shift: int, half: int, key: str = "bf16") -> str:
+def _word_pair_ptx(shift: int, half: int) -> str:
     """PTX: the nibbles at bit ``shift`` of bytes (2 half, 2 half + 1) of word $1, times the
-    scale pair $2 -> one BF16x2 / FP16x2 word $0 (the first byte's value in the low half)."""
+    BF16 scale pair $2 -> one BF16x2 word $0 (the first byte's value in the low half)."""
     src = "$1" if shift == 0 else "qc"
     pair = PAIR_01 if half == 0 else PAIR_23
     signs = "qs" if shift == 0 else "$1"  # the pair's sign bits at bit 7 of their bytes
     return (
         "{\n    .reg .b32 qt, qsel, qhi, qlo, qm, qsg, qc, qs, qha, qhb, qla, qlb;\n"
-        + _tables_ptx(key)
+        + _tables_ptx()
         + (f"    shr.u32 qc, $1, {shift};\n" if shift else "")
         + f"    and.b32 qt, {src}, 0x07070707;\n"
         "    shr.u32 qsel, qt, 12;\n    or.b32 qsel, qsel, qt;\n"
-        + _lookup_ptx(key)
-        + f"    prmt.b32 qm, qlo, qhi, {pair:#x};\n    mul.rn.{OPERAND_TABLES[key][2]} qm, qm, $2;\n"
+        "    prmt.b32 qhi, qha, qhb, qsel;\n    prmt.b32 qlo, qla, qlb, qsel;\n"
+        + f"    prmt.b32 qm, qlo, qhi, {pair:#x};\n    mul.rn.bf16x2 qm, qm, $2;\n"
         + ("    shl.b32 qs, $1, 4;\n" if shift == 0 else "")
         + f"    prmt.b32 qsg, {signs}, {signs}, {SIGN_BYTES[half]:#x};\n"
         "    and.b32 qsg, qsg, 0x80008000;\n    or.b32 $0, qm, qsg;\n}"
     )
 
 
+# FP16 operands (the W4A4 and RAC kernels) take no table: an E2M1 code s e1 e0 m placed in an
+# FP16 pattern as s at bit 15 and e1 e0 m at bits 11..9 is the code's value times 2**-14 (the
+# exponent bias 15 against E2M1's 1; the code 0.5, e = 0, lands on FP16's subnormal 2**-15,
+# so no case is special). One byte permute puts the pair's two bytes at bytes 1 and 3 (the
+# high nibbles then hold the sign at bits 15 and 31 already), shifts and masks place the rest,
+# and ``mul.rn.f16x2`` applies the block scale times 2**7 (``word_scale_halves``): the value
+# times 2**-7, exact (E2M1 x E4M3 x 2**-7 lies in [2**-17, 21] with its lowest bit at or above
+# 2**-17). Products of at least 2**-14 (E2M1 x E4M3 >= 2**-7: all but blocks far below their
+# tensor's largest) are normal FP16 numbers; smaller ones reach the MMA as FP16 subnormals.
+# The FP32 accumulator is multiplied by 2**7 in the epilogue (``WORD_VALUE_SCALE``).
+WORD_VALUE_SCALE = {"bf16": 1.0, "f16": 2.0**-7}  # the word decode's values: the block values times this
+
+
+def _word_pair_f16_ptx(shift: int, half: int) -> str:
+    """PTX: the nibbles at bit ``shift`` of bytes (2 half, 2 half + 1) of word $1 as FP16 values
+    times 2**-14, times the FP16 scale pair $2 (s * 2**7) -> one FP16x2 word $0 (the first
+    byte's value in the low half)."""
+    sel = 0x1404 if half == 0 else 0x3424  # bytes 0, b, 0, b + 1 (selector 4: the zero register's byte)
+    place = ("    shr.u32 qa, qu, 3;\n    and.b32 qb, qu, 0x80008000;\n" if shift == 4 else
+             "    shl.b32 qa, qu, 1;\n    shl.b32 qb, qu, 4;\n    and.b32 qb, qb, 0x80008000;\n")
+    return ("{\n    .reg .b32 qz, qu, qa, qb;\n    mov.b32 qz, 0;\n"
+            f"    prmt.b32 qu, $1, qz, {sel:#x};\n" + place +
+            "    and.b32 qa, qa, 0x0E000E00;\n    or.b32 qa, qa, qb;\n    mul.rn.f16x2 $0, qa, $2;\n}")
+
+
 # programs in WORD_PAIRS order, per operand type
-WORD_DECODE_PTX = {key: tuple(_word_pair_ptx(shift, half, key) for shift in (0, 4) for half in (0, 1)) for key in OPERAND_TABLES}
+WORD_DECODE_PTX = {"bf16": tuple(_word_pair_ptx(shift, half) for shift in (0, 4) for half in (0, 1)),
+                   "f16": tuple(_word_pair_f16_ptx(shift, half) for shift in (0, 4) for half in (0, 1))}
 WORD_PARTS = len(WORD_PAIRS)
+
+
+def word_scale_halves(scale_bits, key: str):
+    """E4M3 scale bits -> the uint32 16-bit pattern the word decode's ``mul.rn`` takes: the
+    scale's BF16 bits (``scale_halves``), or for FP16 the bits of s * 2**7 (converted
+    exactly, one instruction for two scales on sm_90, then an exact FP16 product: at most
+    448 * 2**7 = 57344; E4M3's NaN stays a NaN)."""
+    if key == "bf16":
+        return scale_halves(scale_bits, key)
+    s = jax.lax.bitcast_convert_type(scale_bits.astype(jnp.uint8), jnp.float8_e4m3fn).astype(jnp.float16) * jnp.float16(2**7)
+    return jax.lax.bitcast_convert_type(s, jnp.uint16).astype(jnp.uint32)
 
 
 def to_word_parts_order(v, bk: int):
@@ -290,17 +311,18 @@ def operand_columns(ch, order):
 
 def decode_words(words, scale_bits, rows, bk, interpret=False, dtype=jnp.bfloat16):
     """Code words [rows, bk/8] and E4M3 scale bits [rows, bk/16] -> the four parts
-    [rows, bk/4] of the tile's block values in ``dtype`` (BF16 or FP16, exact), in
-    WORD_PAIRS order (part q, element 2g + h: channel 8g + WORD_PAIRS[q][h])."""
+    [rows, bk/4] of the tile's block values times ``WORD_VALUE_SCALE[key]`` in ``dtype``
+    (BF16 or FP16, exact), in WORD_PAIRS order (part q, element 2g + h: channel
+    8g + WORD_PAIRS[q][h])."""
     key = operand_key(dtype)
     pairs = lambda lo, hi: jnp.stack([lo, hi], axis=-1).reshape(rows, bk // 4)  # a join: each pair stays in one register
     if interpret:
-        s = scales_as(scale_bits, dtype)  # [rows, bk/16]
+        s = scales_as(scale_bits, jnp.float32) * WORD_VALUE_SCALE[key]  # [rows, bk/16]
         s = jnp.broadcast_to(s[:, :, None], (rows, bk // 16, 2)).reshape(rows, bk // 8)
         w = words.astype(jnp.uint32)
-        one = lambda ch: nvfp4.decode_e2m1_bf16(((w >> (4 * ch)) & 15).astype(jnp.int32)).astype(dtype) * s
+        one = lambda ch: (nvfp4.decode_e2m1_bf16(((w >> (4 * ch)) & 15).astype(jnp.int32)).astype(jnp.float32) * s).astype(dtype)
         return [pairs(one(a), one(b)) for a, b in WORD_PAIRS]
-    s2 = jnp.broadcast_to((scale_halves(scale_bits, key) * 0x10001)[:, :, None], (rows, bk // 16, 2)).reshape(rows, bk // 8)
+    s2 = jnp.broadcast_to((word_scale_halves(scale_bits, key) * 0x10001)[:, :, None], (rows, bk // 16, 2)).reshape(rows, bk // 8)
     parts = []
     for ptx in WORD_DECODE_PTX[key]:
         [o] = plgpu.elementwise_inline_asm(ptx, args=[words, s2], constraints="=r,r,r", pack=1,
