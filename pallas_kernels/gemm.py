@@ -10,7 +10,8 @@ in registers (codes -> E2M1 -> times the block scale -> BF16) and feeds one BF16
 (``tile_math.mma_acc``: accumulating in place), the global scales applied in the epilogue.
 That is a native NVFP4 GEMM's numerics up to accumulation order, while moving 4.5 bits per
 weight. RAC (see ``pallas_kernels.rac``): the token operand is the compensated activation
-Xq + Rq / 4 rounded once to FP16, the weight decoded to FP16 (exact), so RAC costs no extra
+Xq + Rq / 4 rounded once to FP16, the weight decoded to FP16 (exact; the word decode
+scales it by ``tile_math.WORD_VALUE_SCALE``, undone in the epilogue), so RAC costs no extra
 MMA. ``rac_sum="exact"`` (the two products summed in FP32, as the SGLang plugin computes
 them; for parity checks) runs the dequantized dot below, not the fused kernel.
 

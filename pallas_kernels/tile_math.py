@@ -247,8 +247,9 @@ def _word_pair_ptx(shift: int, half: int) -> str:
 # high nibbles then hold the sign at bits 15 and 31 already), shifts and masks place the rest,
 # and ``mul.rn.f16x2`` applies the block scale times 2**7 (``word_scale_halves``): the value
 # times 2**-7, exact (E2M1 x E4M3 x 2**-7 lies in [2**-17, 21] with its lowest bit at or above
-# 2**-17). Products of at least 2**-14 (E2M1 x E4M3 >= 2**-7: all but blocks far below their
-# tensor's largest) are normal FP16 numbers; smaller ones reach the MMA as FP16 subnormals.
+# 2**-17). The project's quantizer keeps block scales >= 2**-6 (``nvfp4.E4M3_MIN_NORMAL``), so
+# every nonzero product is at least 0.5 x 2**-6 x 2**-7 = 2**-14, a normal FP16 number; only a
+# checkpoint quantized elsewhere with E4M3's subnormal scales hands the MMA FP16 subnormals.
 # The FP32 accumulator is multiplied by 2**7 in the epilogue (``WORD_VALUE_SCALE``).
 WORD_VALUE_SCALE = {"bf16": 1.0, "f16": 2.0**-7}  # the word decode's values: the block values times this
 
