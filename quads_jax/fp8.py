@@ -1,7 +1,7 @@
 """FP8 E4M3 with per-channel / per-token scales: the FP8 baseline recipe.
 
 ``quantize(x, axis)`` scales each slice along ``axis`` (the reduced axis of a matmul) so
-its amax maps to 448 and rounds to E4M3 (RNE, arithmetically like ``nvfp4``: jit-safe).
+its amax maps to 448 and rounds to E4M3 (round to nearest even, by the native conversion).
 Weights [N, K] get one scale per output channel (axis=-1 reduces K), activations [T, K]
 one per token.
 """
@@ -12,8 +12,6 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-
-from quads_jax import nvfp4
 
 E4M3_MAX = 448.0
 
@@ -32,14 +30,18 @@ class FP8Tensor:
         return (self.values.astype(jnp.float32) * self.scale).astype(dtype)
 
 
-def _round(x, scale):
-    # divided through float64 (``nvfp4.f64_div``; the scale too), not the integer long
-    # division ``ieee_div`` takes on a GPU, whose loop would dominate the FP8 baseline's step.
-    # On a GPU the quotient can then be one ulp off, which moves an E4M3 rounding only at a
-    # midpoint; the FP8 baseline needs no cross-platform bits
-    v = jnp.clip(nvfp4.f64_div(x.astype(jnp.float32), scale), -E4M3_MAX, E4M3_MAX)
-    q = nvfp4.round_e4m3(jnp.abs(v))
-    return jnp.where(v < 0, -q, q)
+def _inverse_scale(amax):
+    """448 / amax per slice (1 for an all-zero slice): what the values are multiplied by."""
+    return jnp.where(amax > 0, E4M3_MAX / jnp.where(amax > 0, amax, 1.0), 1.0)
+
+
+def _round(x, inv):
+    """x times its slice's inverse scale, clipped to +-448 and rounded to E4M3 by the native
+    conversion (round to nearest even; Hopper's ``cvt.rn.satfinite``): the values [float32
+    on the E4M3 grid as float8_e4m3fn]. A multiply by the reciprocal, as FP8 inference engines
+    quantize: elementwise work a memory-bound fusion hides. The trainer's fake quant and the
+    rollout's weights and activations all come through here, so both sides round alike."""
+    return jnp.clip(x.astype(jnp.float32) * inv, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
 
 
 def quantize(x, axis: int = -1) -> FP8Tensor:
@@ -47,14 +49,12 @@ def quantize(x, axis: int = -1) -> FP8Tensor:
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"x: expected a floating-point array, got dtype {x.dtype}")
     amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axis, keepdims=True)
-    scale = jnp.where(amax > 0, nvfp4.f64_div(amax, E4M3_MAX), 1.0)
-    q = _round(x, scale)
-    return FP8Tensor(values=q.astype(jnp.float8_e4m3fn), scale=scale)
+    scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
+    return FP8Tensor(values=_round(x, _inverse_scale(amax)), scale=scale)
 
 
 def fake_quant(x, axis: int = -1):
     """quantize-dequantize in x's dtype with a straight-through gradient."""
     xs = jax.lax.stop_gradient(x)
-    t = quantize(xs, axis)
-    y = (_round(xs, t.scale) * t.scale).astype(x.dtype)
+    y = quantize(xs, axis).dequantize(x.dtype)
     return x + jax.lax.stop_gradient(y - x)

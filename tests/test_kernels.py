@@ -188,6 +188,38 @@ def test_grouped_work_items_cover_each_row_once(rng):
         assert np.all(end[n_items + -(-trail // block_m):] == start[n_items + -(-trail // block_m):])
 
 
+def test_fp8_quantize_rounds_to_nearest_even_with_the_slice_amax_at_448(rng):
+    """Each row times 448 / its amax, rounded to the nearest E4M3 (ties to even: ml_dtypes'
+    cast is the reference), the amax at exactly +-448; an all-zero row has scale 1."""
+    import ml_dtypes
+
+    x = (rng.standard_normal((32, 256)) * np.exp(3 * rng.standard_normal((32, 1)))).astype(np.float32)
+    x[3] = 0.0
+    x[5, :4] = [-1e-30, -0.0, 2.0**-12, 5.0]
+    t = jax.jit(fp8.quantize)(jnp.asarray(x))
+    amax = np.abs(x).max(1, keepdims=True)
+    inv = np.where(amax > 0, np.float32(448) / np.where(amax > 0, amax, 1), 1).astype(np.float32)
+    want = np.clip(x * inv, -448, 448).astype(ml_dtypes.float8_e4m3fn)
+    np.testing.assert_array_equal(np.asarray(t.values).view(np.uint8), want.view(np.uint8))
+    v = np.asarray(t.values).astype(np.float32)
+    np.testing.assert_array_equal(np.abs(v).max(1)[np.arange(32) != 3], 448.0)
+    assert np.asarray(t.scale)[3, 0] == 1.0 and not v[3].any()
+    np.testing.assert_allclose(np.asarray(t.scale), np.where(amax > 0, amax / 448, 1), rtol=2**-23)
+    # ties go to the even neighbour: 17 lies between 16 and 18 (E4M3's step there is 2), 19 between 18 and 20
+    row = jnp.asarray([[448.0, 17.0, 19.0, 1.0625, 1.1875]], jnp.float32)
+    np.testing.assert_array_equal(np.asarray(fp8.quantize(row).values).astype(np.float32), [[448, 16, 20, 1.0, 1.25]])
+
+
+def test_expert_of_rows_matches_searchsorted(rng):
+    from pallas_kernels.grouped_gemm import expert_of_rows
+
+    for _ in range(5):
+        gs = rng.integers(0, 6, 7) * rng.integers(0, 2, 7)
+        m = int(gs.sum()) + int(rng.integers(0, 4))
+        want = np.searchsorted(np.cumsum(gs), np.arange(m), side="right")
+        np.testing.assert_array_equal(np.asarray(expert_of_rows(jnp.asarray(gs, jnp.int32), m)), want)
+
+
 def test_fp8_matmul_close_to_float(rng):
     x = jnp.asarray(rng.standard_normal((8, 256)).astype(np.float32))
     wf = jnp.asarray(rng.standard_normal((32, 256)).astype(np.float32))
