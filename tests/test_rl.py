@@ -170,6 +170,26 @@ def test_decode_burst_is_a_loop_of_known_trip_count(params):
     assert "5" in re.findall(r'known_trip_count":\{"n":"(\d+)"', hlo)
 
 
+def test_decode_bursts_of_every_recipe_hold_no_extra_device_loops(params):
+    """Every recipe's decode burst has the loops bf16's has (the decode loop and the sampling
+    keys' hash) and no more: a loop inside a decode step (``searchsorted``'s scan once placed
+    FP8's expert scales, 8 such loops a step) runs several kernels an iteration. The FP8
+    baseline computes in float32 (a float64 division once ran over its activations)."""
+    import re
+
+    from benchmarks.bench_rollout import STATIC, _burst_args
+
+    flat, _ = params
+    text = {}
+    for recipe in ("bf16", "fp8", "nvfp4_naive", "quads"):
+        eng = Engine(CFG, recipe=recipe, max_batch=2, max_len=40, decode_burst=5)
+        eng.load(flat)
+        text[recipe] = eng._burst.lower(*_burst_args(eng, 2, 3), **STATIC).as_text()
+    loops = {r: len(re.findall(r"stablehlo\.while", t)) for r, t in text.items()}
+    assert len(set(loops.values())) == 1, loops
+    assert "f64" not in text["fp8"]
+
+
 def test_engine_stops_a_row_inside_a_burst_and_keeps_its_neighbour(params):
     """A stop token met inside a decode burst ends its row there: the host keeps that row's
     tokens, log-probs, experts and top log-probs up to it, and the row beside it (another
