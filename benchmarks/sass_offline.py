@@ -101,11 +101,16 @@ def cases(override=None):
     NG = sys.modules["pallas_kernels.grouped_gemm"]
     gw1 = (jnp.ones((1,), jnp.float32),)
 
+    def operand(x, rho, cfg):  # rho None: W4A16 (BF16 activations, no scales)
+        if rho is None:
+            return NM.token_operand(x, NM.operand_order(cfg), mode="w4a16", rac_ratio=0.0, quant_config=None)
+        return pk.quantize_operand(x, rac_ratio=rho, order=NM.operand_order(cfg), backend="xla")
+
     def dense(t, n, k, rho):
         w = nvfp4.quantize(jnp.ones((n, k), jnp.float32))
         x = jnp.ones((t, k), jnp.bfloat16)
         cfg = dataclasses.replace(NM.gemm_config(t, n, k), **(override or {}))
-        a, gx = pk.quantize_operand(x, rac_ratio=rho, order=NM.operand_order(cfg), backend="xla")
+        a, gx = operand(x, rho, cfg)
 
         def f(a, gx):
             return NM._gemm_call(a, gx, (w.codes,), (NM._bits(w.scales),), gw1, cfg=cfg, out_dtype=jnp.float32, interpret=False)
@@ -120,7 +125,7 @@ def cases(override=None):
         src = jnp.arange(m, dtype=jnp.int32) // topk if gather else None
         sizes = jnp.asarray(np.full(e, m // e), jnp.int32)
         cfg = dataclasses.replace(NM.gemm_config(-(-m // e), n, k, programs_per_row_tile=e), **(override or {}))  # RAC: FP16 sum
-        a, gx = pk.quantize_operand(x, rac_ratio=rho, order=NM.operand_order(cfg), backend="xla")
+        a, gx = operand(x, rho, cfg)
         gw = (jnp.ones((e,), jnp.float32),)
 
         def f(a, gx, src):
@@ -141,6 +146,8 @@ def cases(override=None):
         ("grouped 64 tok 1024x512 rho0.5", grouped(64, 512, 1024, 0.5)),
         ("grouped 64 tok 1024x1024 rho0.5, rows gathered", grouped(64, 1024, 1024, 0.5, gather=True)),
         ("grouped 256 tok 1024x1024 rho0.5, rows gathered", grouped(256, 1024, 1024, 0.5, gather=True)),
+        ("dense T64 4096x14336 w4a16", dense(64, 14336, 4096, None)),
+        ("grouped 64 tok 1024x1024 w4a16, rows gathered", grouped(64, 1024, 1024, None, gather=True)),
     ):
         values = cfg.block_n * cfg.block_k // (32 * cfg.num_warps)
         yield name, fn, cfg, values
@@ -266,6 +273,7 @@ def main():
                     help="GemmConfig fields to override in every case, e.g. --set decode=words")
     ap.add_argument("--kernels", default="gemm", choices=("gemm", "quant", "decode_attention", "weight_quant"),
                     help="the GEMMs' main loops, the activation quantizer, or the live-KV decode attention")
+    ap.add_argument("--match", default="", help="only the GEMM cases whose name matches this regular expression")
     a = ap.parse_args()
     captured = capture_ttir()
     import jax
@@ -283,6 +291,8 @@ def main():
         f, v = kv.split("=", 1)
         override[f] = int(v) if v.isdigit() else (v == "True" if v in ("True", "False") else v)
     for i, (name, lower, cfg, values) in enumerate(cases(override)):
+        if not re.search(a.match, name):
+            continue
         jax.clear_caches()
         lower()
         err, regs, stack, sass = compile_ttir(a.triton_python, captured[-1], os.path.join(tmp, f"k{i}.ttir"), cfg.num_warps, cfg.num_stages)

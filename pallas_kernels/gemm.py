@@ -50,7 +50,7 @@ from pallas_kernels.config import interpret_mode, resolve_backend
 from pallas_kernels import rac
 from pallas_kernels.quantizer import QuantizedRows, quantize_activations_rac, quantize_operand
 from pallas_kernels.tile_math import (WORD_PARTS, WORD_VALUE_SCALE, decode_tile, decode_words, load_even_odd, mma_acc,  # noqa: F401
-                                      operand_key, pad_axis, rows_at, to_word_parts_order)
+                                      pad_axis, rows_at, to_word_parts_order)
 
 MODES = ("w4a4", "w4a16")
 
@@ -188,8 +188,8 @@ def output_tile(*, x_ref, gx_ref, w_refs, out_ref, n, jn, row_start, row_end, sk
                                   col_ok=col_ok, cfg=cfg, interpret=interpret, w_index=() if expert is None else (expert,))
     steps = k // (cfg.block_k * cfg.split_k)
     acc = gemm_tile_loop(kt_start=sk * steps, steps=steps, cfg=cfg, load_a=load_a, load_w=load_w)
-    if cfg.decode == "words":  # the word decode's values carry a power of two (FP16: 2**-14), exact to undo in FP32
-        acc = acc * (1.0 / WORD_VALUE_SCALE[operand_key(x_ref.dtype)])
+    if cfg.decode == "words":  # the word decode's values carry a power of two, exact to undo in FP32
+        acc = acc * (1.0 / WORD_VALUE_SCALE)
     out = epilogue(acc, gx_ref, act_sl, row_ok, gw_ref[0 if expert is None else expert])
     out_mask = row_ok & (jn * bn + jnp.arange(bn) < n)[None, :]
     if cfg.split_k == 1:

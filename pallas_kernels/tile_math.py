@@ -117,8 +117,8 @@ def decode_tile(codes, scale_bits, rows, bk, dtype=jnp.bfloat16):
     significant bits), each [rows, bk/2]: BF16 bit patterns, one product by the scale."""
     key = operand_key(dtype)
     c = codes.astype(jnp.int32)
-    if key == "f16":  # as the word decode: magnitudes times 2**8, the scale as s * 2**-8 (no float conversion)
-        s = jax.lax.bitcast_convert_type(scale_halves(scale_bits, key).astype(jnp.uint16), jnp.float16)
+    if key == "f16":  # magnitudes times 2**8, the scale as s * 2**-8 (no float conversion)
+        s = jax.lax.bitcast_convert_type(scale_halves(scale_bits).astype(jnp.uint16), jnp.float16)
         values = _e2m1_f16_times_256
     else:
         s, values = scales_as(scale_bits, dtype), nvfp4.decode_e2m1_bf16
@@ -149,18 +149,6 @@ def pad_axis(x, axis: int, size: int):
     return jnp.pad(x, widths)
 
 
-# ----------------------------------------------------------------------------- E2M1 decode by byte permutes
-#
-# A BF16 E2M1 magnitude is two bytes, each a function of the 3-bit magnitude m: high byte
-# HI[m] and low byte LO[m]. ``prmt`` looks up four bytes from an 8-byte table at once, given
-# four 3-bit selectors in the nibbles of its selector register; a second ``prmt`` pairs the
-# high and low bytes into BF16x2 words; ``mul.rn.bf16x2`` applies the scale (exact: 6
-# significant bits); a third ``prmt`` of the codes moves the sign bits to bits 15 and 31.
-
-HI_BYTES = (0x00, 0x3F, 0x3F, 0x3F, 0x40, 0x40, 0x40, 0x40)  # BF16 bits 15..8 of 0, .5, 1, 1.5, 2, 3, 4, 6
-LO_BYTES = (0x00, 0x00, 0x80, 0xC0, 0x00, 0x40, 0x80, 0xC0)  # BF16 bits 7..0
-
-
 def operand_key(dtype) -> str:
     """"bf16" or "f16": the MMA operand type the decode produces."""
     if jnp.dtype(dtype) == jnp.float16:
@@ -170,37 +158,14 @@ def operand_key(dtype) -> str:
     raise ValueError(f"dtype={dtype}: the weight decode produces bfloat16 or float16 operands")
 
 
-def scale_halves(scale_bits, key: str):
-    """E4M3 scale bits (any int type) -> the uint32 16-bit pattern that multiplies the decoded
-    values for operand type ``key``: the scale's BF16 bits, or for FP16 (``decode_tile``,
-    whose FP16 values are times 2**8) the bits of s * 2**-8, ``(b & 0x7F) << 7`` (integer
-    operations, no float conversion; exact: s * 2**-8 >= 2**-17 has at most 4 significant
-    bits, exact as an FP16 subnormal), with E4M3's NaN kept as an FP16 NaN. NVFP4 block scales
-    are non-negative: the sign bit is not read (the word decode ORs each code's sign onto
-    the product; offline SASS, keeping it cost 4% more main-loop instructions)."""
-    if key == "bf16":
-        return jax.lax.bitcast_convert_type(scales_as(scale_bits, jnp.bfloat16), jnp.uint16).astype(jnp.uint32)
+def scale_halves(scale_bits):
+    """E4M3 scale bits (any int type) -> the uint32 FP16 pattern of s * 2**-8, the factor of
+    ``decode_tile``'s FP16 values (times 2**8): ``(b & 0x7F) << 7`` (integer operations, no
+    float conversion; exact: s * 2**-8 >= 2**-17 has at most 4 significant bits, exact as an
+    FP16 subnormal), with E4M3's NaN kept as an FP16 NaN. NVFP4 block scales are
+    non-negative: the sign bit is not read."""
     mag = scale_bits.astype(jnp.uint32) & 0x7F
     return jnp.where(mag == 0x7F, jnp.uint32(0x7E00), mag << 7)
-
-
-def _word(table, start):
-    return sum(b << (8 * i) for i, b in enumerate(table[start:start + 4])) if table else 0
-
-
-def _tables_ptx():
-    return (f"    mov.b32 qha, {_word(HI_BYTES, 0):#x};\n    mov.b32 qhb, {_word(HI_BYTES, 4):#x};\n"
-            f"    mov.b32 qla, {_word(LO_BYTES, 0):#x};\n    mov.b32 qlb, {_word(LO_BYTES, 4):#x};\n")
-
-
-# the selector ``t | t >> 12`` of t = codes & 0x07070707 holds the magnitudes of bytes 0, 2, 1, 3
-# in its nibbles 0..3, so the looked-up bytes come in the order 0, 2, 1, 3; the pairing permutes
-# (bytes of LO are 0-3, of HI 4-7) put values 0, 1 in the first word and 2, 3 in the second
-PAIR_01, PAIR_23 = 0x6240, 0x7351
-# the signs: a code's bit 3 is its byte's bit 7 (high nibbles; the low ones after a shift left
-# by 4); one byte permute of the word moves bytes (2 half, 2 half + 1) to bytes 1 and 3, so the
-# pair's signs land on bits 15 and 31
-SIGN_BYTES = (0x1000, 0x3222)
 
 
 # ----------------------------------------------------------------------------- codes as 32-bit words
@@ -218,68 +183,57 @@ SIGN_BYTES = (0x1000, 0x3222)
 
 WORD_PAIRS = ((0, 2), (4, 6), (1, 3), (5, 7))  # programs (shift 0, bytes 0-1), (0, 2-3), (4, 0-1), (4, 2-3)
 WORD_CHANNELS = tuple(c for pair in WORD_PAIRS for c in pair)  # the programs' outputs, low half first
+WORD_PARTS = len(WORD_PAIRS)
+
+# No table: an E2M1 code s e1 e0 m placed in a BF16 or FP16 pattern as s at bit 15 and e1 e0 m
+# at the low exponent bits and the top mantissa bit (BF16: bits 8..6, FP16: 11..9) is the
+# code's value times 2**(1 - bias) (BF16: 2**-126, FP16: 2**-14; the code 0.5, e = 0, lands
+# on the type's subnormal half of that, so no case is special). One byte permute puts the
+# pair's two bytes at bytes 1 and 3 (the high nibbles then hold the sign at bits 15 and 31
+# already), shifts and masks place the rest, and ``mul.rn`` applies the block scale times
+# 2**(bias - 8) (``word_scale_halves``): the value times 2**-7 in both types, exact (E2M1 x
+# E4M3 x 2**-7 lies in [2**-17, 21] with its lowest bit at or above 2**-17). The project's
+# quantizer keeps block scales >= 2**-6 (``nvfp4.E4M3_MIN_NORMAL``), so every nonzero product
+# is at least 0.5 x 2**-6 x 2**-7 = 2**-14, a normal number in both types; only a checkpoint
+# quantized elsewhere with E4M3's subnormal scales hands the FP16 MMA subnormals. The FP32
+# accumulator is multiplied by 2**7 in the epilogue (``WORD_VALUE_SCALE``).
+WORD_VALUE_SCALE = 2.0**-7  # the word decode's values: the block values times this
+_PLACE = {  # operand type: (right shift of a high nibble, left shift of a low one, e1 e0 m mask, mul)
+    "bf16": (6, -2, 0x01C001C0, "mul.rn.bf16x2"),
+    "f16": (3, 1, 0x0E000E00, "mul.rn.f16x2"),
+}
 
 
-def _word_pair_ptx(shift: int, half: int) -> str:
-    """PTX: the nibbles at bit ``shift`` of bytes (2 half, 2 half + 1) of word $1, times the
-    BF16 scale pair $2 -> one BF16x2 word $0 (the first byte's value in the low half)."""
-    src = "$1" if shift == 0 else "qc"
-    pair = PAIR_01 if half == 0 else PAIR_23
-    signs = "qs" if shift == 0 else "$1"  # the pair's sign bits at bit 7 of their bytes
-    return (
-        "{\n    .reg .b32 qt, qsel, qhi, qlo, qm, qsg, qc, qs, qha, qhb, qla, qlb;\n"
-        + _tables_ptx()
-        + (f"    shr.u32 qc, $1, {shift};\n" if shift else "")
-        + f"    and.b32 qt, {src}, 0x07070707;\n"
-        "    shr.u32 qsel, qt, 12;\n    or.b32 qsel, qsel, qt;\n"
-        "    prmt.b32 qhi, qha, qhb, qsel;\n    prmt.b32 qlo, qla, qlb, qsel;\n"
-        + f"    prmt.b32 qm, qlo, qhi, {pair:#x};\n    mul.rn.bf16x2 qm, qm, $2;\n"
-        + ("    shl.b32 qs, $1, 4;\n" if shift == 0 else "")
-        + f"    prmt.b32 qsg, {signs}, {signs}, {SIGN_BYTES[half]:#x};\n"
-        "    and.b32 qsg, qsg, 0x80008000;\n    or.b32 $0, qm, qsg;\n}"
-    )
-
-
-# FP16 operands (the W4A4 and RAC kernels) take no table: an E2M1 code s e1 e0 m placed in an
-# FP16 pattern as s at bit 15 and e1 e0 m at bits 11..9 is the code's value times 2**-14 (the
-# exponent bias 15 against E2M1's 1; the code 0.5, e = 0, lands on FP16's subnormal 2**-15,
-# so no case is special). One byte permute puts the pair's two bytes at bytes 1 and 3 (the
-# high nibbles then hold the sign at bits 15 and 31 already), shifts and masks place the rest,
-# and ``mul.rn.f16x2`` applies the block scale times 2**7 (``word_scale_halves``): the value
-# times 2**-7, exact (E2M1 x E4M3 x 2**-7 lies in [2**-17, 21] with its lowest bit at or above
-# 2**-17). The project's quantizer keeps block scales >= 2**-6 (``nvfp4.E4M3_MIN_NORMAL``), so
-# every nonzero product is at least 0.5 x 2**-6 x 2**-7 = 2**-14, a normal FP16 number; only a
-# checkpoint quantized elsewhere with E4M3's subnormal scales hands the MMA FP16 subnormals.
-# The FP32 accumulator is multiplied by 2**7 in the epilogue (``WORD_VALUE_SCALE``).
-WORD_VALUE_SCALE = {"bf16": 1.0, "f16": 2.0**-7}  # the word decode's values: the block values times this
-
-
-def _word_pair_f16_ptx(shift: int, half: int) -> str:
-    """PTX: the nibbles at bit ``shift`` of bytes (2 half, 2 half + 1) of word $1 as FP16 values
-    times 2**-14, times the FP16 scale pair $2 (s * 2**7) -> one FP16x2 word $0 (the first
-    byte's value in the low half)."""
+def _word_pair_ptx(key: str, shift: int, half: int) -> str:
+    """PTX: the nibbles at bit ``shift`` of bytes (2 half, 2 half + 1) of word $1 as ``key``
+    values times 2**(1 - bias), times the scale pair $2 (s * 2**(bias - 8)) -> one 32-bit word
+    $0 of two values (the first byte's value in the low half)."""
+    right, left, mask, mul = _PLACE[key]
     sel = 0x1404 if half == 0 else 0x3424  # bytes 0, b, 0, b + 1 (selector 4: the zero register's byte)
-    place = ("    shr.u32 qa, qu, 3;\n    and.b32 qb, qu, 0x80008000;\n" if shift == 4 else
-             "    shl.b32 qa, qu, 1;\n    shl.b32 qb, qu, 4;\n    and.b32 qb, qb, 0x80008000;\n")
+    if shift == 4:  # the high nibble: the sign is in place
+        place = f"    shr.u32 qa, qu, {right};\n    and.b32 qb, qu, 0x80008000;\n"
+    else:  # the low nibble: its sign (bit 11) moves up 4 bits
+        move = f"shl.b32 qa, qu, {left}" if left > 0 else f"shr.u32 qa, qu, {-left}"
+        place = f"    {move};\n    shl.b32 qb, qu, 4;\n    and.b32 qb, qb, 0x80008000;\n"
     return ("{\n    .reg .b32 qz, qu, qa, qb;\n    mov.b32 qz, 0;\n"
             f"    prmt.b32 qu, $1, qz, {sel:#x};\n" + place +
-            "    and.b32 qa, qa, 0x0E000E00;\n    or.b32 qa, qa, qb;\n    mul.rn.f16x2 $0, qa, $2;\n}")
+            f"    and.b32 qa, qa, {mask:#x};\n    or.b32 qa, qa, qb;\n    {mul} $0, qa, $2;\n}}")
 
 
 # programs in WORD_PAIRS order, per operand type
-WORD_DECODE_PTX = {"bf16": tuple(_word_pair_ptx(shift, half) for shift in (0, 4) for half in (0, 1)),
-                   "f16": tuple(_word_pair_f16_ptx(shift, half) for shift in (0, 4) for half in (0, 1))}
-WORD_PARTS = len(WORD_PAIRS)
+WORD_DECODE_PTX = {key: tuple(_word_pair_ptx(key, shift, half) for shift in (0, 4) for half in (0, 1)) for key in _PLACE}
 
 
 def word_scale_halves(scale_bits, key: str):
     """E4M3 scale bits -> the uint32 16-bit pattern the word decode's ``mul.rn`` takes: the
-    scale's BF16 bits (``scale_halves``), or for FP16 the bits of s * 2**7 (converted
-    exactly, one instruction for two scales on sm_90, then an exact FP16 product: at most
-    448 * 2**7 = 57344; E4M3's NaN stays a NaN)."""
-    if key == "bf16":
-        return scale_halves(scale_bits, key)
-    s = jax.lax.bitcast_convert_type(scale_bits.astype(jnp.uint8), jnp.float8_e4m3fn).astype(jnp.float16) * jnp.float16(2**7)
+    bits of s * 2**(bias - 8) in the operand type (BF16: s * 2**119 <= 1.75 * 2**127, FP16:
+    s * 2**7 <= 57344), converted exactly (FP16: one instruction for two scales on sm_90);
+    E4M3's NaN stays a NaN."""
+    s = jax.lax.bitcast_convert_type(scale_bits.astype(jnp.uint8), jnp.float8_e4m3fn)
+    if key == "bf16":  # through float32, whose range holds s * 2**119 as BF16's does
+        s = (s.astype(jnp.float32) * 2.0**119).astype(jnp.bfloat16)
+    else:
+        s = s.astype(jnp.float16) * jnp.float16(2**7)
     return jax.lax.bitcast_convert_type(s, jnp.uint16).astype(jnp.uint32)
 
 
@@ -312,13 +266,13 @@ def operand_columns(ch, order):
 
 def decode_words(words, scale_bits, rows, bk, interpret=False, dtype=jnp.bfloat16):
     """Code words [rows, bk/8] and E4M3 scale bits [rows, bk/16] -> the four parts
-    [rows, bk/4] of the tile's block values times ``WORD_VALUE_SCALE[key]`` in ``dtype``
+    [rows, bk/4] of the tile's block values times ``WORD_VALUE_SCALE`` in ``dtype``
     (BF16 or FP16, exact), in WORD_PAIRS order (part q, element 2g + h: channel
     8g + WORD_PAIRS[q][h])."""
     key = operand_key(dtype)
     pairs = lambda lo, hi: jnp.stack([lo, hi], axis=-1).reshape(rows, bk // 4)  # a join: each pair stays in one register
     if interpret:
-        s = scales_as(scale_bits, jnp.float32) * WORD_VALUE_SCALE[key]  # [rows, bk/16]
+        s = scales_as(scale_bits, jnp.float32) * WORD_VALUE_SCALE  # [rows, bk/16]
         s = jnp.broadcast_to(s[:, :, None], (rows, bk // 16, 2)).reshape(rows, bk // 8)
         w = words.astype(jnp.uint32)
         one = lambda ch: (nvfp4.decode_e2m1_bf16(((w >> (4 * ch)) & 15).astype(jnp.int32)).astype(jnp.float32) * s).astype(dtype)

@@ -103,13 +103,16 @@ def test_pallas_nvfp4_matmul_equals_xla(t, rac):
     assert rel(a, b) < 2e-3  # the same FP32 products summed in another order, rounded to BF16
 
 
+@pytest.mark.parametrize("mode", ["w4a4", "w4a16"])
 @pytest.mark.parametrize("grouped", [False, True])
-def test_word_decode_keeps_products_that_are_fp16_subnormals(grouped):
-    """The FP16 word decode hands the MMA E2M1 x E4M3 x 2**-7 (``tile_math.WORD_VALUE_SCALE``).
-    The project's quantizer keeps block scales >= 2**-6, so those are normal FP16 numbers; an
-    NVFP4 weight from elsewhere may carry E4M3's subnormal scales (2**-9 .. 7 x 2**-9), whose
-    products are FP16 subnormals. Output channels whose weight rows hold only such blocks
-    match XLA, as the others do: a flush of subnormal MMA inputs would zero them."""
+def test_word_decode_keeps_subnormal_operands(grouped, mode):
+    """The word decode places each E2M1 code's bits in an FP16 (W4A4) or BF16 (W4A16)
+    pattern, the code 0.5 on the type's subnormal 2**(-bias), and ``mul.rn`` by the block
+    scale gives E2M1 x E4M3 x 2**-7 (``tile_math.WORD_VALUE_SCALE``). So every weight has
+    subnormal inputs to that product, and odd output channels here carry only E4M3's
+    subnormal block scales (2**-9 .. 7 x 2**-9, as a checkpoint quantized elsewhere may;
+    the project's quantizer keeps scales >= 2**-6), whose FP16 products are subnormal MMA
+    inputs. Both match XLA: a flush of subnormals would zero or move them."""
     rng = np.random.default_rng()
     t, n, k = 64, 256, 1024
     x = jnp.asarray(rng.standard_normal((t, k)), jnp.bfloat16)
@@ -117,11 +120,12 @@ def test_word_decode_keeps_products_that_are_fp16_subnormals(grouped):
     w = P.prepare_weight(jnp.asarray(rng.standard_normal((*lead, n, k)) * k**-0.5, jnp.float32), "w4a4")
     tiny = (rng.integers(1, 8, (*lead, n // 2, k // 16)) * 2.0**-9).astype(jnp.float8_e4m3fn)  # odd rows: subnormal scales
     w = dataclasses.replace(w, scales=jnp.asarray(w.scales).at[..., 1::2, :].set(tiny))
+    kw = dict(act_scale="token", mode=mode, out_dtype=jnp.float32)
     if grouped:
         gs = jnp.asarray([40, 24], jnp.int32)
-        f = lambda backend: pk.nvfp4_grouped_matmul(x, w, gs, act_scale="token", backend=backend, out_dtype=jnp.float32)
+        f = lambda backend: pk.nvfp4_grouped_matmul(x, w, gs, backend=backend, **kw)
     else:
-        f = lambda backend: pk.nvfp4_matmul(x, w, act_scale="token", backend=backend, out_dtype=jnp.float32)
+        f = lambda backend: pk.nvfp4_matmul(x, w, backend=backend, **kw)
     a, b = np.asarray(f("pallas")), np.asarray(f("xla"))
     assert np.abs(b[:, 1::2]).max() > 0 and rel(a[:, 1::2], b[:, 1::2]) < 1e-5  # the same exact products, summed in another order
     assert rel(a, b) < 1e-5

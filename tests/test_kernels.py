@@ -360,12 +360,6 @@ def test_e4m3_bit_decodes_equal_the_format_for_all_256_patterns():
         np.testing.assert_array_equal(np.signbit(got[ok]), np.signbit(want[ok]))
 
 
-def e2m1_bits(c, key):
-    """The BF16 ("bf16") or FP16 ("f16") bit patterns of E2M1 codes ``c``."""
-    dt = {"bf16": jnp.bfloat16, "f16": jnp.float16}[key]
-    return np.asarray(jax.lax.bitcast_convert_type(nvfp4.decode_e2m1_bf16(jnp.asarray(c, jnp.int32)).astype(dt), jnp.uint16))
-
-
 def _prmt(a, b, sel):
     """PTX ``prmt.b32`` (default mode) on uint32 numpy arrays."""
     pool = (b.astype(np.uint64) << np.uint64(32)) | a.astype(np.uint64)
@@ -413,7 +407,7 @@ def word_decode_emulated(words, key="bf16", scale=1.0):
     """``tile_math.WORD_DECODE_PTX[key]`` run on uint32 numpy words with one E4M3 block scale
     for every block, entering as the kernel passes it (``tile_math.word_scale_halves``): [n, 8]
     BF16 (or FP16) bit patterns in WORD_CHANNELS order, of the values times
-    ``WORD_VALUE_SCALE[key]``."""
+    ``WORD_VALUE_SCALE``."""
     import ml_dtypes
 
     from pallas_kernels import tile_math as tm
@@ -454,25 +448,23 @@ def test_gemm_decode_variants_equal_xla(rng, decode, swap_ab):
 
 def test_word_decode_steps_and_layout_equal_the_format():
     """decode='words': the four PTX programs, run by a numpy PTX interpreter, give every code's
-    BF16 bits (FP16: its value times 2**-7, exact) in the WORD_CHANNELS order (the programs'
-    outputs, low half first); the byte-to-word packing and the activations' part order are
-    the matching permutations."""
+    value times its block scale times 2**-7, exact in BF16 and FP16, in the WORD_CHANNELS order
+    (the programs' outputs, low half first); the byte-to-word packing and the activations'
+    part order are the matching permutations."""
     from pallas_kernels import tile_math
 
     rng = np.random.default_rng(3)
     words = rng.integers(0, 2**32, 512, dtype=np.uint64).astype(np.uint32)
-    assert tile_math.WORD_VALUE_SCALE == {"bf16": 1.0, "f16": 2.0**-7}
-    got = word_decode_emulated(words, "bf16")  # [512, 8]
-    for p, ch in enumerate(tile_math.WORD_CHANNELS):
-        np.testing.assert_array_equal(got[:, p], e2m1_bits((words >> np.uint32(4 * ch)) & np.uint32(15), "bf16"))
+    assert tile_math.WORD_VALUE_SCALE == 2.0**-7
     for key in ("bf16", "f16"):
         # with a block scale (E4M3 values, subnormal ones included: exact products in both
-        # types, -0 kept; FP16's smallest, 0.5 x 2**-9 x 2**-7, is an FP16 subnormal)
+        # types, -0 kept; FP16's smallest, 0.5 x 2**-9 x 2**-7, is an FP16 subnormal; BF16's
+        # placed code 0.5 is a BF16 subnormal, 2**-127)
         for scale in (1.0, 448.0, 0.001953125, 0.013671875, 1.375, 0.0):
             got = word_decode_emulated(words, key, scale).view({"bf16": jnp.bfloat16, "f16": np.float16}[key]).astype(np.float32)
             for p, ch in enumerate(tile_math.WORD_CHANNELS):
                 want = np.asarray(nvfp4.decode_e2m1_bf16(jnp.asarray((words >> np.uint32(4 * ch)) & np.uint32(15), jnp.int32)),
-                                  np.float32) * np.float32(scale) * np.float32(tile_math.WORD_VALUE_SCALE[key])
+                                  np.float32) * np.float32(scale) * np.float32(tile_math.WORD_VALUE_SCALE)
                 np.testing.assert_array_equal(got[:, p], want)
                 np.testing.assert_array_equal(np.signbit(got[:, p]), np.signbit(want))
         assert np.isnan(word_decode_emulated(words, key, np.nan).view({"bf16": jnp.bfloat16, "f16": np.float16}[key])
