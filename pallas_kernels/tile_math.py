@@ -198,7 +198,7 @@ WORD_PARTS = len(WORD_PAIRS)
 # quantized elsewhere with E4M3's subnormal scales hands the FP16 MMA subnormals. The FP32
 # accumulator is multiplied by 2**7 in the epilogue (``WORD_VALUE_SCALE``).
 WORD_VALUE_SCALE = 2.0**-7  # the word decode's values: the block values times this
-_PLACE = {  # operand type: (right shift of a high nibble, left shift of a low one, e1 e0 m mask, mul)
+_PLACE = {  # operand type: (a high nibble's right shift, a low nibble's left shift (negative: right), e1 e0 m mask, mul)
     "bf16": (6, -2, 0x01C001C0, "mul.rn.bf16x2"),
     "f16": (3, 1, 0x0E000E00, "mul.rn.f16x2"),
 }
