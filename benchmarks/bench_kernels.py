@@ -302,6 +302,18 @@ def grouped_cases(tiny: bool):
                 Case("grouped", shape, "fp8 w8a8", "tokamax", lambda xs, gs, w: pk.fp8_grouped_matmul(xs, w, gs, grouped="tokamax"),
                      (xs, gs, w8), bytes=_nbytes(w8) + io, **common),
                 Case("grouped", shape, "int4 w4a16", "tokamax", _tokamax_int4, (xs, gs, wi4), bytes=_nbytes(wi4) + io, **common)]
+            # the baselines' other tiles (the engine's bf16 and fp8 MoE take the defaults above):
+            # a careful engineer tunes them too; at the rollout's batch 64 only
+            if not tiny and name.startswith("bench") and t == 64:
+                tile = lambda bm, bn, bk, st, pe: pk.Tiles(block_m=bm, block_n=bn, block_k=bk, num_stages=st, persistent=pe)
+                label = lambda c: f"tokamax bn{c.block_n} bk{c.block_k} s{c.num_stages}{' persistent' if c.persistent else ''}"
+                for c in (tile(64, 128, 64, 4, False), tile(64, 64, 128, 4, True), tile(64, 128, 128, 3, True)):
+                    cases.append(Case("grouped", shape, "bf16", label(c), lambda xs, gs, w, c=c: pk.grouped_dot_kn(xs, w, gs, impl="tokamax", tiles=c),
+                                      (xs, gs, wbf), bytes=_nbytes(wbf) + io, **common))
+                for c in (tile(64, 128, 256, 2, True), tile(64, 64, 256, 4, True), tile(64, 64, 128, 2, True)):
+                    cases.append(Case("grouped", shape, "fp8 w8a8", label(c),
+                                      lambda xs, gs, w, c=c: pk.fp8_grouped_matmul(xs, w, gs, grouped="tokamax", tiles=c),
+                                      (xs, gs, w8), bytes=_nbytes(w8) + io, **common))
     return cases
 
 
