@@ -30,15 +30,9 @@ class FP8Tensor:
         return (self.values.astype(jnp.float32) * self.scale).astype(dtype)
 
 
-def _inverse_scale(amax):
-    """448 / amax per slice (1 for an all-zero slice): what the values are multiplied by."""
-    return jnp.where(amax > 0, E4M3_MAX / jnp.where(amax > 0, amax, 1.0), 1.0)
-
-
 def _round(x, inv):
     """x times its slice's inverse scale, clipped to +-448 and rounded to E4M3 by the native
-    conversion (round to nearest even; Hopper's ``cvt.rn.satfinite``): the values [float32
-    on the E4M3 grid as float8_e4m3fn]. A multiply by the reciprocal, as FP8 inference engines
+    conversion (round to nearest even; Hopper's ``cvt.rn.satfinite``) -> float8_e4m3fn. A multiply by the reciprocal, as FP8 inference engines
     quantize: elementwise work a memory-bound fusion hides. The trainer's fake quant and the
     rollout's weights and activations all come through here, so both sides round alike."""
     return jnp.clip(x.astype(jnp.float32) * inv, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
@@ -49,8 +43,8 @@ def quantize(x, axis: int = -1) -> FP8Tensor:
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise ValueError(f"x: expected a floating-point array, got dtype {x.dtype}")
     amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axis, keepdims=True)
-    scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
-    return FP8Tensor(values=_round(x, _inverse_scale(amax)), scale=scale)
+    amax = jnp.where(amax > 0, amax, E4M3_MAX)  # an all-zero slice: scale 1
+    return FP8Tensor(values=_round(x, E4M3_MAX / amax), scale=amax / E4M3_MAX)
 
 
 def fake_quant(x, axis: int = -1):
